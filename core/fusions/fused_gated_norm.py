@@ -1,0 +1,468 @@
+"""Fused output gated RMSNorm of the Gated DeltaNet layer.
+
+    out = round(round(rms_norm(x) * w_eff) * act(gate))            (training, "megatron" rounding)
+
+x and gate are ``[batch, sequence, head, dim]`` views that may be strided (a slice of a packed
+projection, a transposed sbhd view); the kernels address them in place. The norm runs over
+``dim`` with one weight of shape ``(dim,)`` shared by all heads.
+
+Layers, top to bottom (docs/design.md has the picture):
+  fused_gated_norm -> _FusedGatedNorm -> forward_impl / backward_impl -> gated_norm_fwd / _bwd
+  validate_gated_norm: the host-side checks a Megatron module runs on every fused forward.
+Launch parameters come from ``gated_norm_launch``; numerics are explained in docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM, backward_launch, forward_launch
+
+_TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+SUPPORTED_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_ACTIVATIONS = ("silu", "sigmoid")
+OUT_LAYOUTS = ("bshd", "sbhd")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel bodies
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H,
+                FLAT_TOKENS: tl.constexpr):
+    """Element offset (int64) of logical row ``(b * SEQUENCE + s) * HEADS + h`` of a strided
+    ``[B, S, H, D]`` view. FLAT_TOKENS: batch and sequence fold into one token stride
+    (``STRIDE_B == SEQUENCE * STRIDE_S`` or B == 1), which saves a division per row."""
+    row = row.to(tl.int64)
+    token = row // HEADS
+    head = row - token * HEADS
+    if FLAT_TOKENS:
+        offset = token * STRIDE_S + head * STRIDE_H
+    else:
+        batch = token // SEQUENCE
+        seq = token - batch * SEQUENCE
+        offset = batch * STRIDE_B + seq * STRIDE_S + head * STRIDE_H
+    return offset
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr):
+    """Round fp32 ``v`` to the nearest-even value of DTYPE, kept in fp32.
+
+    bf16 is rounded with integer ops: the Triton interpreter's own fp32->bf16 cast truncates,
+    so a plain cast would differ from torch on the CPU. On the GPU this is a few integer ops
+    per element in a memory-bound kernel, and the later store of the exact value is exact."""
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        rounded = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # keep NaN a NaN
+    elif DTYPE == tl.float16:
+        rounded = v.to(tl.float16).to(tl.float32)
+    else:
+        rounded = v
+    return rounded
+
+
+@triton.jit
+def _sigmoid(g):
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    # silu as g / (1 + exp(-g)): the formula torch's silu kernels use, so the fp32 values agree.
+    if ACTIVATION == "sigmoid":
+        act = _sigmoid(g)
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    return act
+
+
+@triton.jit
+def _activation_grad(g, ACTIVATION: tl.constexpr):
+    sig = _sigmoid(g)
+    if ACTIVATION == "sigmoid":
+        grad = sig * (1.0 - sig)
+    else:
+        grad = sig * (1.0 + g * (1.0 - sig))  # torch's silu_backward formula
+    return grad
+
+
+@triton.jit(do_not_specialize=["ROWS", "SEQUENCE"])
+def gated_norm_fwd(
+    x, gate, weight, out, rstd,
+    ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
+    X_STRIDES, GATE_STRIDES, OUT_STRIDES,
+    X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, OUT_FLAT_TOKENS: tl.constexpr,
+    EPS, ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
+    NORM_BEFORE_GATE: tl.constexpr = True, STORE_RSTD: tl.constexpr = True,
+):
+    """BT rows per program. Writes out and (STORE_RSTD) one fp32 inverse RMS per row.
+
+    NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
+    norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
+    NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only)."""
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < ROWS
+    mask = row_mask[:, None] & (cols < D)[None, :]
+
+    x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2], X_FLAT_TOKENS)
+    g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1], GATE_STRIDES[2],
+                         GATE_FLAT_TOKENS)
+    xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    act = _activation(gv, ACTIVATION)
+    if not NORM_BEFORE_GATE:
+        xv = xv * act
+    r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
+    y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
+    if NORM_BEFORE_GATE:
+        y = y * act
+    OUT_DTYPE: tl.constexpr = out.dtype.element_ty
+    o_rows = _row_offset(rows, SEQUENCE, HEADS, OUT_STRIDES[0], OUT_STRIDES[1], OUT_STRIDES[2],
+                         OUT_FLAT_TOKENS)
+    tl.store(out + o_rows[:, None] + cols[None, :], _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd + rows, r, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["ROWS", "SEQUENCE"])
+def gated_norm_bwd(
+    x, gate, weight, rstd, dy, dx, dgate, dw_partial,
+    ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
+    X_STRIDES, GATE_STRIDES, DY_STRIDES,
+    X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, DY_FLAT_TOKENS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
+):
+    """Persistent: program p handles row blocks p, p + P, ... and writes its fp32 partial dW to
+    ``dw_partial[p]``; the host sums the partials in a fixed order (deterministic, no atomics).
+
+    Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
+    NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
+    dx and dgate are written contiguous ``[ROWS, D]``; dy is read in place."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    dw_acc = tl.zeros((BT, BLOCK_D), dtype=tl.float32)
+    for block in range(pid, tl.cdiv(ROWS, BT), tl.num_programs(0)):
+        rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
+        row_mask = rows < ROWS
+        mask = row_mask[:, None] & col_mask[None, :]
+        x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2],
+                             X_FLAT_TOKENS)
+        g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1],
+                             GATE_STRIDES[2], GATE_FLAT_TOKENS)
+        d_rows = _row_offset(rows, SEQUENCE, HEADS, DY_STRIDES[0], DY_STRIDES[1], DY_STRIDES[2],
+                             DY_FLAT_TOKENS)
+        xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dout = tl.load(dy + d_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=row_mask, other=0.0)
+
+        x_hat = xv * r[:, None]
+        y = _round_to(x_hat * w[None, :], NORM_DTYPE)
+        dgate_v = dout * y * _activation_grad(gv, ACTIVATION)
+        dnorm = _round_to(dout * _activation(gv, ACTIVATION), NORM_DTYPE)
+        wdy = dnorm * w[None, :]
+        c = tl.sum(x_hat * wdy, axis=1) / D
+        dx_v = (wdy - x_hat * c[:, None]) * r[:, None]
+        dw_acc += dnorm * x_hat
+
+        flat = rows[:, None] * D + cols[None, :]
+        DX_DTYPE: tl.constexpr = dx.dtype.element_ty
+        DG_DTYPE: tl.constexpr = dgate.dtype.element_ty
+        tl.store(dx + flat, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
+        tl.store(dgate + flat, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE), mask=mask)
+    tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple[int, int, int], bool]:
+    """(batch, sequence, head) strides of a [B, S, H, D] view and whether tokens are flat."""
+    batch, seq = t.shape[0], t.shape[1]
+    sb, ss, sh = t.stride(0), t.stride(1), t.stride(2)
+    return (sb, ss, sh), (batch == 1 or sb == seq * ss)
+
+
+def norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype):
+    """Triton dtype of the unfused norm's output: the promotion of x's and the weight's dtype
+    (a bf16 weight rounds to bf16, an fp32 weight does not round)."""
+    return _TORCH_TO_TRITON[torch.promote_types(x_dtype, weight_dtype)]
+
+
+def forward_impl(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool = False,
+    bt: Optional[int] = None,
+    warps: Optional[int] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``gated_norm_fwd``; returns ``(out, rstd)``. No input is copied.
+
+    ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
+    buffer); a new contiguous tensor when None. ``bt``/``warps`` override the heuristics."""
+    batch, seq, heads, dim = x.shape
+    rows = batch * seq * heads
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty((batch, seq, heads), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out, rstd
+    cfg = forward_launch(rows, dim, x.device)
+    bt = bt or cfg.bt
+    x_strides, x_flat = _layout(x)
+    g_strides, g_flat = _layout(gate)
+    o_strides, o_flat = _layout(out)
+    gated_norm_fwd[(triton.cdiv(rows, bt),)](
+        x, gate, weight, out, rstd,
+        rows, heads, dim, seq,
+        x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
+        eps, zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation,
+        num_warps=warps or cfg.warps,
+    )
+    return out, rstd
+
+
+def backward_impl(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dy: torch.Tensor,
+    zero_centered: bool = False,
+    bt: Optional[int] = None,
+    warps: Optional[int] = None,
+    *,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
+
+    dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides with a unit last
+    dim). dweight is the fixed-order sum of the per-program fp32 partials, in the weight's dtype.
+    """
+    batch, seq, heads, dim = x.shape
+    rows = batch * seq * heads
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if rows == 0:
+        return dx, dgate, torch.zeros_like(weight)
+    if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
+        dy = dy.contiguous()
+    cfg = backward_launch(rows, dim, x.device)
+    bt = bt or cfg.bt
+    programs = min(triton.cdiv(rows, bt), cfg.max_programs)
+    dw_partial = torch.empty((programs, dim), dtype=torch.float32, device=x.device)
+    x_strides, x_flat = _layout(x)
+    g_strides, g_flat = _layout(gate)
+    d_strides, d_flat = _layout(dy)
+    gated_norm_bwd[(programs,)](
+        x, gate, weight, rstd, dy, dx, dgate, dw_partial,
+        rows, heads, dim, seq,
+        x_strides, g_strides, d_strides, x_flat, g_flat, d_flat,
+        zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation,
+        num_warps=warps or cfg.warps,
+    )
+    return dx, dgate, dw_partial.sum(0).to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd glue and the public entry
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedGatedNorm(torch.autograd.Function):
+    """First-order autograd of the fused gated norm. Saves x, gate (the caller's tensors, not
+    copies), the weight and one fp32 rstd per row."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation):
+        out = None
+        if out_layout == "sbhd":
+            batch, seq, heads, dim = x.shape
+            out = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device).transpose(0, 1)
+        out, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=out, activation=activation)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.zero_centered = zero_centered
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        x, gate, weight, rstd = ctx.saved_tensors
+        dx, dgate, dweight = backward_impl(
+            x, gate, weight, rstd, dout, ctx.zero_centered, activation=ctx.activation
+        )
+        return dx, dgate, dweight, None, None, None, None
+
+
+def fused_gated_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool = False,
+    *,
+    out_layout: str = "bshd",
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``round(round(rms_norm(x) * w_eff) * act(gate))`` over the last dim of [B, S, H, D] views.
+
+    Args:
+        x: [batch, sequence, heads, dim] activations (bf16, fp16 or fp32); any strides with a
+            unit last-dim stride.
+        gate: same shape and dtype as x; any strides with a unit last-dim stride (a slice of a
+            packed projection is read in place).
+        weight: (dim,) norm weight shared by all heads (bf16, fp16 or fp32).
+        eps: added to mean(x^2); finite and > 0.
+        zero_centered: w_eff = 1 + weight (Megatron's zero-centred gamma) instead of weight.
+        out_layout: "bshd" returns a contiguous tensor; "sbhd" returns a [B, S, H, D] view of a
+            contiguous [S, B, H, D] buffer, so ``out.transpose(0, 1)`` is contiguous for free.
+        activation: "silu" (GDN) or "sigmoid".
+    Returns:
+        [B, S, H, D] tensor in x's dtype; differentiable once w.r.t. x, gate and weight.
+    """
+    check_gated_norm_inputs(x, gate, weight, eps)
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(f"fused_gated_norm: out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
+        )
+    return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: host-side metadata only (no CUDA synchronisation, no tensor reads)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_gated_norm_inputs(x, gate, weight, eps) -> None:
+    """Raise TypeError/ValueError naming the argument and the rule; nothing is launched."""
+    for name, t in (("x", x), ("gate", gate), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fused_gated_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"fused_gated_norm: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(x.shape)}"
+        )
+    if gate.shape != x.shape:
+        raise ValueError(
+            f"fused_gated_norm: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}"
+        )
+    if x.dtype not in SUPPORTED_ACTIVATION_DTYPES:
+        raise TypeError(f"fused_gated_norm: x dtype must be bf16, fp16 or fp32, got {x.dtype}")
+    if gate.dtype != x.dtype:
+        raise TypeError(f"fused_gated_norm: gate dtype must equal x dtype {x.dtype}, got {gate.dtype}")
+    if weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
+        raise TypeError(f"fused_gated_norm: weight dtype must be bf16, fp16 or fp32, got {weight.dtype}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise TypeError(
+            f"fused_gated_norm: weight dtype must be fp32 or x's dtype {x.dtype}, got {weight.dtype}"
+        )
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"fused_gated_norm: weight shape must be ({dim},) (x's last dim), got {tuple(weight.shape)}")
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"fused_gated_norm: head dim (x's last dim) must be <= {MAX_HEAD_DIM}, got {dim}")
+    if x.device != gate.device or x.device != weight.device:
+        raise ValueError(
+            f"fused_gated_norm: x, gate and weight must be on one device, got {x.device}, {gate.device}, {weight.device}"
+        )
+    for name, t in (("x", x), ("gate", gate)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"fused_gated_norm: {name} must have last-dim stride 1, got strides {t.stride()}")
+    if dim and weight.stride(0) != 1:
+        raise ValueError(f"fused_gated_norm: weight must be contiguous, got stride {weight.stride()}")
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"fused_gated_norm: eps must be a finite number > 0, got {eps!r}")
+
+
+def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:
+    """Check that a Megatron GatedDeltaNet ``module`` can take the fused output norm for these
+    inputs; runs on every fused forward, recomputation included. Host-side metadata only.
+
+    ``module`` needs ``config`` (a TransformerConfig) and ``out_norm`` (the weight holder)."""
+    config = module.config
+    if config.normalization != "RMSNorm":
+        raise ValueError(
+            f"fused_gated_norm requires normalization='RMSNorm', got {config.normalization!r}"
+        )
+    activation = gate_activation_name(config.activation_func)
+    if activation is None:
+        raise ValueError(
+            "fused_gated_norm requires a silu or sigmoid gate activation (config.activation_func), "
+            f"got {getattr(config.activation_func, '__name__', config.activation_func)!r}"
+        )
+    norm = module.out_norm
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError("fused_gated_norm requires out_norm to have a weight")
+    if getattr(norm, "bias", None) is not None:
+        raise ValueError("fused_gated_norm requires out_norm without a bias (RMSNorm has none)")
+    head_dim = config.linear_value_head_dim
+    if tuple(weight.shape) != (head_dim,):
+        raise ValueError(
+            f"fused_gated_norm requires out_norm.weight of shape ({head_dim},) "
+            f"(linear_value_head_dim), got {tuple(weight.shape)}"
+        )
+    norm_eps = norm_epsilon(norm)
+    if norm_eps is not None and norm_eps != config.layernorm_epsilon:
+        raise ValueError(
+            f"fused_gated_norm requires out_norm eps ({norm_eps}) to equal "
+            f"config.layernorm_epsilon ({config.layernorm_epsilon})"
+        )
+    heads = getattr(module, "num_value_heads_local_tp", None)
+    if heads is None:
+        heads = config.linear_num_value_heads // getattr(module, "tp_size", 1)
+    for name, t in (("core_attn_out", x), ("gate", gate)):
+        if t.dim() != 4 or tuple(t.shape[-2:]) != (heads, head_dim):
+            raise ValueError(
+                f"fused_gated_norm requires {name} of shape [batch, seq, {heads}, {head_dim}] "
+                f"(local value heads, linear_value_head_dim), got {tuple(t.shape)}"
+            )
+    check_gated_norm_inputs(x, gate, weight, config.layernorm_epsilon)
+
+
+def gate_activation_name(fn) -> Optional[str]:
+    """'silu' or 'sigmoid' when ``fn`` is one the kernel implements, else None."""
+    if fn in (torch.nn.functional.silu, torch.nn.SiLU):
+        return "silu"
+    if fn in (torch.sigmoid, torch.nn.functional.sigmoid):
+        return "sigmoid"
+    return None
+
+
+def norm_epsilon(norm) -> Optional[float]:
+    """The eps a norm module was built with (TE and torch modules spell it differently)."""
+    for attr in ("eps", "epsilon", "variance_epsilon"):
+        value = getattr(norm, attr, None)
+        if isinstance(value, (float, int)):
+            return float(value)
+    return None

@@ -1,0 +1,45 @@
+"""Plain-torch references of the gated norm, the one definition used by tests and benchmarks.
+
+``unfused_gated_norm`` is what Megatron's unfused GDN path computes (a TE-style RMSNorm with one
+rounding, then the fp32 gate product, then a second rounding): the training kernels must equal
+it bit for bit. ``one_rounding_gated_norm`` is vLLM's / FLA's semantics (fp32 throughout, one
+rounding at the end), used by the inference entry point. Called with float64 tensors, both are
+the exact references for error measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    return torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False):
+    """TE-style RMSNorm: fp32 (or wider) math, one rounding to promote_types(x, weight)."""
+    compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    xf = x.to(compute)
+    w = weight.to(compute) + 1 if zero_centered else weight.to(compute)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * w).to(torch.promote_types(x.dtype, weight.dtype))
+
+
+def unfused_gated_norm(x, gate, weight, eps, zero_centered=False, activation="silu"):
+    """Megatron's ``_apply_gated_norm``: ``(out_norm(x) * act(gate.float())).to(x.dtype)``."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    y = rms_norm(x, weight, eps, zero_centered)
+    return (y * _activation(gate.to(compute), activation)).to(x.dtype)
+
+
+def one_rounding_gated_norm(x, gate, weight, eps, norm_before_gate=True, activation="silu"):
+    """vLLM / FLA semantics: fp32 math end to end, one rounding to x's dtype at the store."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf, act = x.to(compute), _activation(gate.to(compute), activation)
+    if not norm_before_gate:
+        xf = xf * act
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
+    if norm_before_gate:
+        y = y * act
+    return y.to(x.dtype)

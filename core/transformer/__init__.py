@@ -1,0 +1,7 @@
+"""Megatron transformer pieces of the project: the config with the fusion flag and the
+Transformer-Engine-free RMSNorm."""
+
+from core.transformer.rms_norm import LocalNorm, RMSNorm
+from core.transformer.transformer_config import TransformerConfig, gdn_out_norm_zero_centered
+
+__all__ = ["LocalNorm", "RMSNorm", "TransformerConfig", "gdn_out_norm_zero_centered"]

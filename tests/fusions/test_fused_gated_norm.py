@@ -1,0 +1,367 @@
+"""The training kernels against the unfused Megatron path (CPU interpreter or GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
+from core.fusions.gated_norm_reference import unfused_gated_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# The package re-exports the function under the module's own name: import the module explicitly.
+kernel_module = importlib.import_module("core.fusions.fused_gated_norm")
+
+
+def make_inputs(shape, dtype, weight_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    gate = (2 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
+    return x, gate, weight
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between two tensors of one 16-bit dtype."""
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+
+    def ordered(t):
+        i = t.view(ints).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)  # sign-magnitude -> monotone integers
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_matches_unfused(out, ref):
+    """The contract: >= 99.9 % of elements bitwise equal, every element within 1 ulp."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype in LOW_PRECISION:
+        equal = (out == ref) | (out.isnan() & ref.isnan())
+        assert equal.float().mean().item() >= 0.999, f"only {equal.float().mean():.4%} bitwise equal"
+        finite = out.isfinite() & ref.isfinite()
+        assert ulp_distance(out[finite], ref[finite]).max().item() <= 1
+    else:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+
+
+def float64_grads(x, gate, weight, dy, zero_centered):
+    leaves = [t.detach().double().requires_grad_() for t in (x, gate, weight)]
+    out = unfused_gated_norm(*leaves, EPS, zero_centered)
+    return torch.autograd.grad(out, leaves, dy.double())
+
+
+def relative_error(approx, exact):
+    return ((approx.double() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weight_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize("dim", [64, 96, 192])
+def test_forward_matches_unfused(dtype, weight_fp32, zero_centered, dim):
+    x, gate, weight = make_inputs((2, 5, 3, dim), dtype, torch.float32 if weight_fp32 else None)
+    if zero_centered:
+        weight = weight - 1
+    out = fused_gated_norm(x, gate, weight, EPS, zero_centered)
+    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS, zero_centered))
+
+
+@pytest.mark.parametrize("dim", [128, 256, 1000, 1024])
+def test_forward_head_dims(dim):
+    x, gate, weight = make_inputs((1, 3, 2, dim), torch.bfloat16)
+    out = fused_gated_norm(x, gate, weight, EPS)
+    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS))
+
+
+def test_bf16_rounding_is_to_nearest_even_not_truncation():
+    # Values chosen so the fp32 product lies just above a bf16 midpoint: truncation (the Triton
+    # interpreter's own cast) gives the lower neighbour, round-to-nearest-even the upper one.
+    x, gate, weight = make_inputs((1, 64, 4, 64), torch.bfloat16, seed=3)
+    out = fused_gated_norm(x, gate, weight, EPS)
+    ref = unfused_gated_norm(x, gate, weight, EPS)
+    truncated = (unfused_gated_norm(x.float(), gate.float(), weight.float(), EPS)
+                 .view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert not torch.equal(ref, truncated)  # the check below can tell the two apart
+    assert_matches_unfused(out, ref)
+
+
+def test_nan_and_inf_propagate_like_the_reference():
+    x, gate, weight = make_inputs((1, 4, 2, 64), torch.bfloat16)
+    x[0, 0, 0, 3] = float("nan")
+    x[0, 1, 1, 5] = float("inf")
+    gate[0, 2, 0, 7] = float("-inf")
+    gate[0, 3, 1, 9] = float("inf")
+    out = fused_gated_norm(x, gate, weight, EPS)
+    ref = unfused_gated_norm(x, gate, weight, EPS)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert_matches_unfused(out, ref)
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+
+def packed_projection_gate(shape, dtype, seed=0):
+    """gate as a slice of a packed [B, S, 3 * H * D] projection: token-strided, read in place."""
+    batch, seq, heads, dim = shape
+    gen = torch.Generator().manual_seed(seed + 100)
+    proj = torch.randn(batch, seq, 3 * heads * dim, generator=gen).to(DEVICE, dtype)
+    return proj[..., heads * dim: 2 * heads * dim].view(batch, seq, heads, dim)
+
+
+def sbhd_view(t):
+    """A [B, S, H, D] view of a contiguous [S, B, H, D] buffer."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+LAYOUTS = {
+    "contiguous": lambda x, g: (x, g),
+    "packed_gate": lambda x, g: (x, packed_projection_gate(x.shape, x.dtype)),
+    "sbhd_x_and_gate": lambda x, g: (sbhd_view(x), sbhd_view(g)),
+    "sbhd_x_packed_gate": lambda x, g: (sbhd_view(x), packed_projection_gate(x.shape, x.dtype)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("out_layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_strided_layouts_forward_and_backward(layout, out_layout, dtype):
+    x, gate, weight = make_inputs((2, 4, 3, 96), dtype)
+    x, gate = LAYOUTS[layout](x, gate)
+    assert x.data_ptr() and gate.stride(-1) == 1
+    dy = sbhd_view(make_inputs(x.shape, dtype, seed=7)[0])  # the grad of a transpose-contiguous
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    out = fused_gated_norm(*leaves, EPS, out_layout=out_layout)
+    grads = torch.autograd.grad(out, leaves, dy)
+
+    ref_leaves = [t.detach().contiguous().requires_grad_() for t in (x, gate, weight)]
+    ref = unfused_gated_norm(*ref_leaves, EPS)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.contiguous())
+    assert_matches_unfused(out, ref)
+    if out_layout == "sbhd":
+        assert out.transpose(0, 1).is_contiguous()
+    for got, want in zip(grads[:2], ref_grads[:2]):
+        assert_matches_unfused(got, want)
+    torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=1e-2, atol=1e-2)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records the tensors a launch receives and runs the real
+    kernel outside the op recorder (the interpreter copies to and from its own buffers)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.tensor_args = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.tensor_args.append([a for a in args if isinstance(a, torch.Tensor)])
+            with torch.utils._python_dispatch._disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_no_input_is_copied(monkeypatch):
+    module = kernel_module
+    fwd_spy, bwd_spy = _LaunchSpy(module.gated_norm_fwd), _LaunchSpy(module.gated_norm_bwd)
+    monkeypatch.setattr(module, "gated_norm_fwd", fwd_spy)
+    monkeypatch.setattr(module, "gated_norm_bwd", bwd_spy)
+    x, gate, weight = make_inputs((2, 4, 3, 64), torch.bfloat16)
+    x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    dy = sbhd_view(torch.randn(x.shape, device=DEVICE).to(torch.bfloat16))
+    with _RecordOps() as rec:
+        out = fused_gated_norm(*leaves, EPS, out_layout="sbhd")
+        torch.autograd.grad(out, leaves, dy)
+
+    # The kernels read the caller's tensors themselves, including the strided incoming grad.
+    (fwd_args,), (bwd_args,) = fwd_spy.tensor_args, bwd_spy.tensor_args
+    assert all(a is b for a, b in zip(fwd_args[:3], leaves))
+    assert [a.data_ptr() for a in bwd_args[:3]] == [t.data_ptr() for t in leaves]
+    assert bwd_args[4].data_ptr() == dy.data_ptr() and bwd_args[4].stride() == dy.stride()
+    # No copy on the host side; the one conversion is the [D]-sized dW sum to the weight dtype.
+    copies = [op for op in rec.ops if op.split(".")[-1] in ("copy_", "clone", "contiguous", "_to_copy")]
+    assert copies == ["aten._to_copy"], rec.ops
+
+
+# ------------------------------------------------------------------------------------ backward
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize("dim", [64, 96])
+def test_gradients_no_less_accurate_than_unfused(dtype, zero_centered, dim):
+    x, gate, weight = make_inputs((2, 8, 4, dim), dtype)
+    dy = make_inputs(x.shape, dtype, seed=11)[0]
+    exact = float64_grads(x, gate, weight, dy, zero_centered)
+
+    def grads(fn):
+        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+        return torch.autograd.grad(fn(*leaves, EPS, zero_centered), leaves, dy)
+
+    fused, unfused = grads(fused_gated_norm), grads(unfused_gated_norm)
+    for name, f, u, e in zip(("dx", "dgate", "dweight"), fused, unfused, exact):
+        err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
+        # dW is summed in a different (fixed) order than autograd's: allow 1 % of the error.
+        assert err_fused <= 1.01 * err_unfused + 1e-7, (name, err_fused, err_unfused)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+def test_fp32_gradients_close_to_float64(zero_centered):
+    x, gate, weight = make_inputs((2, 6, 3, 96), torch.float32)
+    dy = make_inputs(x.shape, torch.float32, seed=5)[0]
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    fused = torch.autograd.grad(fused_gated_norm(*leaves, EPS, zero_centered), leaves, dy)
+    for name, f, e in zip(("dx", "dgate", "dweight"), fused, float64_grads(x, gate, weight, dy, zero_centered)):
+        assert relative_error(f, e) < 5e-6, name
+
+
+def test_sigmoid_activation_forward_and_backward():
+    x, gate, weight = make_inputs((1, 6, 2, 64), torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    ref_leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    out = fused_gated_norm(*leaves, EPS, activation="sigmoid")
+    ref = unfused_gated_norm(*ref_leaves, EPS, activation="sigmoid")
+    assert_matches_unfused(out, ref)
+    dy = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, leaves, dy), torch.autograd.grad(ref, ref_leaves, dy)):
+        if got.dim() > 1:
+            assert_matches_unfused(got, want)
+
+
+def test_backward_is_deterministic():
+    x, gate, weight = make_inputs((2, 16, 4, 96), torch.bfloat16)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=9)[0]
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+        return torch.autograd.grad(fused_gated_norm(*leaves, EPS), leaves, dy)
+
+    for first, second in zip(run(), run()):
+        assert torch.equal(first, second)
+
+
+def test_double_backward_raises():
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    x.requires_grad_()
+    out = fused_gated_norm(x, gate, weight, EPS)
+    dy = torch.randn_like(out).requires_grad_()
+    (dx,) = torch.autograd.grad(out, x, dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
+# ------------------------------------------------------------------------------------ empty input
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 2, 64), (2, 0, 2, 64), (1, 3, 0, 64)])
+def test_empty_input(shape):
+    x, gate, weight = make_inputs(shape, torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    out = fused_gated_norm(*leaves, EPS)
+    assert out.shape == shape
+    dx, dgate, dweight = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert dx.shape == shape and dgate.shape == shape
+    assert torch.equal(dweight, torch.zeros_like(weight))
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _bad_inputs():
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.bfloat16)
+    strided = torch.randn(1, 2, 2, 128, device=DEVICE).to(torch.bfloat16)[..., ::2]
+    meta = torch.empty(1, 2, 2, 64, dtype=torch.bfloat16, device="meta")
+    return {
+        "rank": ((x[0], gate[0], weight, EPS), ValueError, "x must have rank 4"),
+        "gate_shape": ((x, gate[:, :1], weight, EPS), ValueError, "gate must have x's shape"),
+        "gate_dtype": ((x, gate.half(), weight, EPS), TypeError, "gate dtype must equal x dtype"),
+        "x_dtype": ((x.double(), gate.double(), weight.double(), EPS), TypeError, "x dtype must be"),
+        "int_dtype": ((x.int(), gate.int(), weight, EPS), TypeError, "x dtype must be"),
+        "weight_dtype": ((x, gate, weight.half(), EPS), TypeError, "weight dtype must be fp32 or x's dtype"),
+        "weight_shape": ((x, gate, weight[:32], EPS), ValueError, r"weight shape must be \(64,\)"),
+        "weight_2d": ((x, gate, weight.view(1, 64), EPS), ValueError, "weight shape must be"),
+        "x_last_stride": ((strided, gate, weight, EPS), ValueError, "x must have last-dim stride 1"),
+        "gate_last_stride": ((x, strided, weight, EPS), ValueError, "gate must have last-dim stride 1"),
+        "device": ((x, gate, weight.to("meta"), EPS), ValueError, "must be on one device"),
+        "device_x": ((meta, gate, weight, EPS), ValueError, "must be on one device"),
+        "head_dim": ((*make_inputs((1, 1, 1, 8200), torch.bfloat16), EPS), ValueError,
+                     "head dim .* must be <= 8192"),
+        "eps_zero": ((x, gate, weight, 0.0), ValueError, "eps must be a finite number > 0"),
+        "eps_negative": ((x, gate, weight, -1e-6), ValueError, "eps must be a finite number > 0"),
+        "eps_nan": ((x, gate, weight, math.nan), ValueError, "eps must be a finite number > 0"),
+        "eps_inf": ((x, gate, weight, math.inf), ValueError, "eps must be a finite number > 0"),
+        "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), ValueError, "eps must be a finite number"),
+        "not_tensor": ((x.tolist(), gate, weight, EPS), TypeError, "x must be a torch.Tensor"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+def test_bad_input_raises_before_launch(case, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(kernel_module, "forward_impl", no_launch)
+    args, error, message = _bad_inputs()[case]
+    with pytest.raises(error, match=message):
+        fused_gated_norm(*args)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"out_layout": "hbsd"}, "out_layout must be one of"),
+    ({"activation": "gelu"}, "activation must be one of"),
+])
+def test_bad_options_raise(kwargs, message):
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        fused_gated_norm(x, gate, weight, EPS, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ 64-bit rows
+
+
+@triton.jit
+def _row_offsets_kernel(rows_ptr, out_ptr, N, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S,
+                        STRIDE_H, FLAT_TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    rows = tl.load(rows_ptr + i, mask=i < N, other=0)
+    offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDE_B, STRIDE_S, STRIDE_H, FLAT_TOKENS)
+    tl.store(out_ptr + i, offsets, mask=i < N)
+
+
+@pytest.mark.parametrize("flat_tokens", [True, False])
+def test_row_offset_is_64_bit(flat_tokens):
+    # A [B=3, S=2**20, H=32, D=128] tensor with sbhd strides: offsets reach ~1.3e10 > 2**33.
+    batch, seq, heads, dim = 3, 2**20, 32, 128
+    if flat_tokens:
+        stride_s, stride_h = heads * dim, dim
+        stride_b = seq * stride_s
+    else:
+        stride_b, stride_s, stride_h = heads * dim, batch * heads * dim, dim
+    rows = torch.tensor([0, 1, heads, seq * heads - 1, seq * heads, batch * seq * heads - 1], dtype=torch.int64)
+    out = torch.empty_like(rows)
+    _row_offsets_kernel[(1,)](rows.to(DEVICE), out := out.to(DEVICE), rows.numel(), seq, heads,
+                              stride_b, stride_s, stride_h, flat_tokens, 8)
+    token, head = rows // heads, rows % heads
+    expected = (token // seq) * stride_b + (token % seq) * stride_s + head * stride_h
+    assert expected.max() > 2**33
+    assert torch.equal(out.cpu(), expected)

@@ -1,0 +1,207 @@
+"""Inference entry point of the GDN output gated RMSNorm, with vLLM's ``fused_gdn_gated_rms_norm``
+contract, running the training kernel ``gated_norm_fwd`` (no second copy of the kernel body).
+
+    norm_before_gate=True :  out = round(rms_norm(x) * w * act(z))
+    norm_before_gate=False:  out = round(rms_norm(x * act(z)) * w)
+
+fp32 math with ONE rounding at the store (vLLM's and FLA's semantics). The training path rounds
+twice, like Megatron's unfused module; docs/inference.md explains the difference.
+
+The kernel is selected by compile-time switches: NORM_DTYPE=tl.float32 (no intermediate
+rounding), ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD=False (nothing saved for a backward). The
+2-D ``(num_tokens, num_v_heads * head_v_dim)`` tensors are addressed as ``[1, T, H, D]`` views
+by passing their strides: no copy, no allocation, no host sync, so the call can be captured in
+a CUDA graph. Row offsets are 64-bit inside the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATION_DTYPES, gated_norm_fwd
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM, forward_launch
+
+# vLLM spells silu "swish"; both name the same kernel branch.
+_ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
+_NAME = "fused_gdn_gated_rms_norm"
+
+
+def fused_gdn_gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    num_v_heads: int,
+    head_v_dim: int,
+    norm_before_gate: bool = True,
+    activation: str = "swish",
+) -> None:
+    """Gated RMSNorm over each head of ``x``, written into ``out``; one rounding at the store.
+
+    Args:
+        x: (num_tokens, num_v_heads * head_v_dim), bf16/fp16/fp32, last dim contiguous (any
+            token stride).
+        z: the gate, x's shape and dtype, last dim contiguous; typically a token-strided slice of
+            a packed input projection, read in place.
+        weight: (head_v_dim,) contiguous, shared by all heads; fp32 or x's dtype.
+        out: x's shape and dtype, last dim contiguous, rows not overlapping each other. May be x
+            itself (or z itself): each row is read completely before it is written, by the same
+            program. Any partial overlap with x, z or weight is rejected.
+        eps: finite Python number > 0, added to mean(x^2).
+        num_v_heads, head_v_dim: the head split of the last dim; head_v_dim <= MAX_HEAD_DIM.
+        norm_before_gate: True: rms_norm(x) * act(z); False: rms_norm(x * act(z)).
+        activation: "swish" / "silu" or "sigmoid".
+
+    No autograd: call it under ``torch.no_grad()`` / ``torch.inference_mode()`` (as vLLM does);
+    with grad mode on, inputs that require grad are rejected rather than silently detached. Use
+    ``fused_gated_norm`` to train. ``num_tokens == 0`` returns without a launch.
+    """
+    kernel_activation = _check_inputs(
+        x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation
+    )
+    tokens = x.shape[0]
+    if tokens == 0:
+        return
+    rows = tokens * num_v_heads
+    cfg = forward_launch(rows, head_v_dim, x.device)
+
+    # [1, T, H, D] strides of the 2-D tensors, built directly instead of through view objects
+    # (cheaper on the host). Batch is 1, so tokens are flat and the batch stride is unused: pass
+    # 0 to keep the compile cache key independent of num_tokens.
+    def strides(t: torch.Tensor) -> tuple[int, int, int]:
+        return (0, t.stride(0), head_v_dim)
+
+    gated_norm_fwd[(triton.cdiv(rows, cfg.bt),)](
+        x, z, weight, out, None,  # no rstd: STORE_RSTD=False
+        rows, num_v_heads, head_v_dim, tokens,
+        strides(x), strides(z), strides(out), True, True, True,
+        float(eps), False, cfg.bt, cfg.block_d,
+        tl.float32,  # NORM_DTYPE: no intermediate rounding (one rounding at the store)
+        kernel_activation, bool(norm_before_gate), False,
+        num_warps=cfg.warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: host-side metadata only (no tensor reads, no CUDA synchronisation)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation) -> str:
+    """Raise TypeError/ValueError naming the argument and the rule; return the kernel's
+    activation name."""
+    for name, t in (("x", x), ("z", z), ("weight", weight), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, v in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{_NAME}: {name} must be an int, got {type(v).__name__}")
+        if v <= 0:
+            raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
+    if head_v_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{_NAME}: head_v_dim must be <= {MAX_HEAD_DIM}, got {head_v_dim}")
+    # A tensor eps would need .item() (a device sync) to reach the kernel: Python numbers only.
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"{_NAME}: eps must be a Python float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{_NAME}: eps must be finite and > 0, got {eps!r}")
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"{_NAME}: norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
+
+    width = num_v_heads * head_v_dim
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(
+            f"{_NAME}: x must have shape (num_tokens, num_v_heads * head_v_dim) = (T, {width}), "
+            f"got {tuple(x.shape)}"
+        )
+    for name, t in (("z", z), ("out", out)):
+        if t.shape != x.shape:
+            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if weight.shape != (head_v_dim,):
+        raise ValueError(f"{_NAME}: weight must have shape ({head_v_dim},) (head_v_dim), got {tuple(weight.shape)}")
+    if x.dtype not in SUPPORTED_ACTIVATION_DTYPES:
+        raise TypeError(f"{_NAME}: x dtype must be bf16, fp16 or fp32, got {x.dtype}")
+    for name, t in (("z", z), ("out", out)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{_NAME}: {name} dtype must equal x's dtype {x.dtype}, got {t.dtype}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"{_NAME}: weight dtype must be fp32 or x's dtype {x.dtype}, got {weight.dtype}")
+    if not (x.device == z.device == weight.device == out.device):
+        raise ValueError(
+            f"{_NAME}: x, z, weight and out must be on one device, got "
+            f"{x.device}, {z.device}, {weight.device}, {out.device}"
+        )
+    for name, t in (("x", x), ("z", z), ("out", out)):
+        if t.numel() and t.stride(1) != 1:
+            raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {t.stride()}")
+    if weight.stride(0) != 1:
+        raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
+    # Rows of out written by different programs must not share memory (e.g. an expanded view).
+    if out.shape[0] > 1 and out.stride(0) < width:
+        raise ValueError(
+            f"{_NAME}: out rows must not overlap each other: token stride {out.stride(0)} < row width {width}"
+        )
+    for name, t in (("x", x), ("z", z)):
+        if _overlap(out, t) == "partial":
+            raise ValueError(
+                f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) or "
+                f"not overlap it; it partially overlaps {name}"
+            )
+    if _overlap(out, weight) != "none":
+        raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, z, weight, out)):
+        raise ValueError(
+            f"{_NAME}: has no autograd, but an input requires grad with grad mode enabled; call it "
+            "under torch.no_grad() or torch.inference_mode(), or use fused_gated_norm to train"
+        )
+    return _ACTIVATIONS[activation]
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of t's elements (t non-empty, non-negative strides)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'none', 'same' (identical view) or 'partial' (any other sharing, conservatively).
+
+    torch's own overlap check (torch._C._overlaps) answers "too hard" for non-dense views such
+    as a slice of a packed projection, so the spans are compared here from the metadata."""
+    if a.numel() == 0 or b.numel() == 0:
+        return "none"
+    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return "none"
+    if a_lo == b_lo and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype:
+        return "same"
+    if _interleaved_rows_disjoint(a, b):
+        return "none"
+    return "partial"
+
+
+def _interleaved_rows_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact test for two 2-D views with unit last stride and one common row pitch, such as two
+    column slices of one packed buffer: their spans intersect, their elements need not.
+
+    Row i of a covers [a_lo + i*p, a_lo + i*p + wa) and row j of b [b_lo + j*p, b_lo + j*p + wb)
+    (bytes). With d = b_lo - a_lo and k = i - j, they meet iff (d - wa) / p < k < (d + wb) / p
+    for some k in [-(rows_b - 1), rows_a - 1]."""
+    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    size = a.element_size()
+    pitch = a.stride(0) * size
+    wa, wb = a.shape[1] * size, b.shape[1] * b.element_size()
+    if b.stride(0) * b.element_size() != pitch or pitch < max(wa, wb):
+        return False
+    d = b.data_ptr() - a.data_ptr()
+    k_lo = max((d - wa) // pitch + 1, -(b.shape[0] - 1))
+    k_hi = min(-(-(d + wb) // pitch) - 1, a.shape[0] - 1)
+    return k_lo > k_hi

@@ -1,0 +1,160 @@
+"""megatron-core's GatedDeltaNet with the fused output gated norm behind ``config.fused_gated_norm``.
+
+Flag off: megatron's forward, unchanged (its norm module, its gate product, its transpose copy).
+Flag on, per forward (and again when ``gdn_norm_out`` selective recompute re-runs it):
+
+    _gated_norm_and_a2a (megatron's)             core_attn_out [B,S,H,D], gate [B,S,H,D] view
+      -> _apply_gated_norm (this class)
+           validate_gated_norm(self, x, gate)    host-side checks, every call
+           fused_gated_norm(..., out_layout="sbhd")
+      -> reshape(B, S, H*D).transpose(0, 1).contiguous()   a no-op: the buffer is already sbhd
+      -> CP all-to-all, out_proj
+
+The gate is read in place as a strided slice of the in_proj output (megatron makes it
+contiguous in ``_prepare_input_for_gated_delta_rule``; the fused path skips that copy).
+
+Both paths (flag on and off) also get:
+  * ``config.gdn_out_norm_zero_centered_gamma`` honoured by the output norm;
+  * the tensor-parallel fix of the output-norm weight gradient (see :func:`mark_tp_partial_grad`
+    and docs/integration.md): each TP rank's dW covers only its heads, and the stock
+    ``finalize_model_grads`` now turns the partials into the full TP=1 gradient on every rank,
+    with sequence parallelism on or off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as _MegatronGatedDeltaNet
+from megatron.core.transformer.spec_utils import build_module
+
+from core.fusions.fused_gated_norm import (
+    fused_gated_norm,
+    gate_activation_name,
+    validate_gated_norm,
+)
+from core.transformer.transformer_config import gdn_out_norm_zero_centered
+
+# Attribute set on a parameter whose gradient is a per-TP-rank partial sum, pre-scaled by the
+# TP size so that finalize_model_grads' AVG over TP yields the SUM of the partials.
+TP_PARTIAL_GRAD_ATTR = "gdn_tp_partial_grad_scale"
+
+
+def mark_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> None:
+    """Make the stock ``finalize_model_grads`` reduce ``param``'s per-TP-rank partial gradient
+    into the full gradient, with sequence parallelism on or off.
+
+    ``finalize_model_grads`` all-reduces over TP (i) with AVG, unconditionally, the grads of
+    params tagged ``average_gradients_across_tp_domain``; (ii) with SUM, only when
+    ``config.sequence_parallel``, params tagged ``sequence_parallel`` (never both: it is an
+    if/elif). Only (i) runs with SP off, so the param is tagged for (i), its SP tag is cleared,
+    and a gradient hook multiplies each incoming gradient by ``tp_size`` before it is
+    accumulated: ``AVG(tp * partial_r) = SUM(partial_r)``, exact in fp32 for power-of-two TP.
+    No collective per micro-batch; one reduction per step with the other non-TP grads; the
+    hook runs before accumulation into ``.grad``, so DDP's ``main_grad`` (filled from ``.grad``)
+    is covered too. Idempotent."""
+    setattr(param, "average_gradients_across_tp_domain", True)
+    setattr(param, "sequence_parallel", False)  # one reduction path only
+    if tp_size > 1 and getattr(param, TP_PARTIAL_GRAD_ATTR, None) != tp_size:
+        if getattr(param, TP_PARTIAL_GRAD_ATTR, None) is not None:
+            raise ValueError(
+                f"mark_tp_partial_grad: parameter already scaled for TP size "
+                f"{getattr(param, TP_PARTIAL_GRAD_ATTR)}, asked for {tp_size}"
+            )
+        scale = float(tp_size)
+
+        def _scale_partial_grad(grad):
+            return grad * scale
+
+        param.register_hook(_scale_partial_grad)
+        setattr(param, "_gdn_tp_partial_grad_hook", _scale_partial_grad)
+    setattr(param, TP_PARTIAL_GRAD_ATTR, tp_size)
+
+
+def has_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> bool:
+    """True when :func:`mark_tp_partial_grad` is in effect on ``param`` for ``tp_size``."""
+    if not getattr(param, "average_gradients_across_tp_domain", False):
+        return False
+    if tp_size <= 1:
+        return True
+    if getattr(param, TP_PARTIAL_GRAD_ATTR, None) != tp_size:
+        return False
+    hook = getattr(param, "_gdn_tp_partial_grad_hook", None)
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    return hook is not None and any(h is hook for h in hooks.values())
+
+
+class GatedDeltaNet(_MegatronGatedDeltaNet):
+    """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
+    gate to the fused kernel. Constructor arguments are megatron's."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.fused_gated_norm = bool(getattr(config, "fused_gated_norm", False))
+        self.out_norm_zero_centered = gdn_out_norm_zero_centered(config)
+        if self.out_norm_zero_centered != bool(config.layernorm_zero_centered_gamma):
+            # The norm builders (TENorm, RMSNorm) read the global flag: give them a config copy.
+            norm_config = copy.copy(config)
+            norm_config.layernorm_zero_centered_gamma = self.out_norm_zero_centered
+            self.out_norm = build_module(
+                submodules.out_norm,
+                config=norm_config,
+                hidden_size=self.value_head_dim,
+                eps=config.layernorm_epsilon,
+            )
+        norm_zc = getattr(self.out_norm, "zero_centered_gamma", None)
+        if norm_zc is not None and bool(norm_zc) != self.out_norm_zero_centered:
+            raise ValueError(
+                f"GatedDeltaNet: out_norm.zero_centered_gamma={bool(norm_zc)} disagrees with the "
+                f"configured GDN output-norm zero-centring ({self.out_norm_zero_centered}, from "
+                "gdn_out_norm_zero_centered_gamma / layernorm_zero_centered_gamma)"
+            )
+        # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
+        self.num_value_heads_local_tp = self.num_v_heads_local_tp // self.cp_size
+        self.gate_activation = gate_activation_name(self.act_fn)
+        weight = getattr(self.out_norm, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            mark_tp_partial_grad(weight, self.tp_size)
+
+    def _check_tp_partial_grad(self) -> None:
+        weight = getattr(self.out_norm, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not has_tp_partial_grad(weight, self.tp_size):
+            raise RuntimeError(
+                "GatedDeltaNet: out_norm.weight lost its tensor-parallel gradient handling (the "
+                "parameter was replaced or copied after construction), so its "
+                "tensor-parallel gradient would be a partial sum (wrong at TP > 1). Call "
+                "core.ssm.gated_delta_net.mark_tp_partial_grad(module.out_norm.weight, tp_size) "
+                "on the new parameter."
+            )
+
+    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
+        if not self.fused_gated_norm:
+            return super()._prepare_input_for_gated_delta_rule(
+                qkv, gate, batch, seq_len, *gate_feats
+            )
+        # The gate is only read by the fused norm, which addresses the strided slice of the
+        # in_proj output in place: hand megatron an empty slice (its .contiguous() is a no-op)
+        # and keep the view.
+        query, key, value, _, *feats = super()._prepare_input_for_gated_delta_rule(
+            qkv, gate[..., :0], batch, seq_len, *gate_feats
+        )
+        return (query, key, value, gate, *feats)
+
+    def _apply_gated_norm(self, x, gate):
+        self._check_tp_partial_grad()
+        if not self.fused_gated_norm:
+            return super()._apply_gated_norm(x, gate)
+        validate_gated_norm(self, x, gate)
+        # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
+        # .contiguous() that follows in _gated_norm_and_a2a is then free.
+        return fused_gated_norm(
+            x,
+            gate,
+            self.out_norm.weight,
+            self.config.layernorm_epsilon,
+            self.out_norm_zero_centered,
+            out_layout="sbhd",
+            activation=self.gate_activation,
+        )

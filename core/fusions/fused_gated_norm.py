@@ -30,6 +30,12 @@ SUPPORTED_ACTIVATIONS = ("silu", "sigmoid")
 OUT_LAYOUTS = ("bshd", "sbhd")
 
 
+# Kernel arguments that change with the token count (packed sequences of varying total length).
+# They are never specialised (no divisibility or ==1 variants), so a new token count reuses the
+# compiled kernel; tests/fusions/test_compile.py checks the whole specialisation key.
+PER_STEP_ARGS = ["ROWS", "SEQUENCE"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernel bodies
 # ----------------------------------------------------------------------------------------------
@@ -53,14 +59,23 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
     return offset
 
 
+# The GPU's fp32->bf16 conversion (cvt.rn) is IEEE round-to-nearest-even; the interpreter's
+# truncates. Decided once, like triton.jit's own choice between compiling and interpreting.
+_EXACT_BF16_CAST = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
 @triton.jit
 def _round_to(v, DTYPE: tl.constexpr):
     """Round fp32 ``v`` to the nearest-even value of DTYPE, kept in fp32.
 
-    bf16 is rounded with integer ops: the Triton interpreter's own fp32->bf16 cast truncates,
-    so a plain cast would differ from torch on the CPU. On the GPU this is a few integer ops
-    per element in a memory-bound kernel, and the later store of the exact value is exact."""
-    if DTYPE == tl.bfloat16:
+    bf16 on the GPU: one hardware conversion (cvt.rn, RTNE, NaN stays NaN, overflow to inf),
+    bit-identical to the integer rounding below and ~5 instructions per element cheaper, which
+    matters: these kernels are close to issue-bound as well as memory-bound on the H200.
+    bf16 in the interpreter: integer ops, because its own fp32->bf16 cast truncates; the later
+    store of the exact value is then exact."""
+    if DTYPE == tl.bfloat16 and _EXACT_BF16_CAST:
+        rounded = v.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         rounded = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # keep NaN a NaN
@@ -96,7 +111,7 @@ def _activation_grad(g, ACTIVATION: tl.constexpr):
     return grad
 
 
-@triton.jit(do_not_specialize=["ROWS", "SEQUENCE"])
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def gated_norm_fwd(
     x, gate, weight, out, rstd,
     ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
@@ -106,40 +121,46 @@ def gated_norm_fwd(
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
     NORM_BEFORE_GATE: tl.constexpr = True, STORE_RSTD: tl.constexpr = True,
 ):
-    """BT rows per program. Writes out and (STORE_RSTD) one fp32 inverse RMS per row.
+    """Writes out and (STORE_RSTD) one fp32 inverse RMS per row, BT rows at a time.
 
+    Grid-stride loop: program p handles row blocks p, p + P, ... (P = the grid size). A grid of
+    cdiv(ROWS, BT) gives one block per program; a smaller (persistent) grid loads the weight
+    once per program and lets the compiler prefetch the next block while this one computes.
     NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only)."""
-    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BLOCK_D)
-    row_mask = rows < ROWS
-    mask = row_mask[:, None] & (cols < D)[None, :]
-
-    x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2], X_FLAT_TOKENS)
-    g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1], GATE_STRIDES[2],
-                         GATE_FLAT_TOKENS)
-    xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    col_mask = cols < D
+    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    act = _activation(gv, ACTIVATION)
-    if not NORM_BEFORE_GATE:
-        xv = xv * act
-    r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
-    y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
-    if NORM_BEFORE_GATE:
-        y = y * act
     OUT_DTYPE: tl.constexpr = out.dtype.element_ty
-    o_rows = _row_offset(rows, SEQUENCE, HEADS, OUT_STRIDES[0], OUT_STRIDES[1], OUT_STRIDES[2],
-                         OUT_FLAT_TOKENS)
-    tl.store(out + o_rows[:, None] + cols[None, :], _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd + rows, r, mask=row_mask)
+    for block in range(tl.program_id(0), tl.cdiv(ROWS, BT), tl.num_programs(0)):
+        rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
+        row_mask = rows < ROWS
+        mask = row_mask[:, None] & col_mask[None, :]
+        x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2],
+                             X_FLAT_TOKENS)
+        g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1],
+                             GATE_STRIDES[2], GATE_FLAT_TOKENS)
+        xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        act = _activation(gv, ACTIVATION)
+        if not NORM_BEFORE_GATE:
+            xv = xv * act
+        r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
+        y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
+        if NORM_BEFORE_GATE:
+            y = y * act
+        o_rows = _row_offset(rows, SEQUENCE, HEADS, OUT_STRIDES[0], OUT_STRIDES[1], OUT_STRIDES[2],
+                             OUT_FLAT_TOKENS)
+        tl.store(out + o_rows[:, None] + cols[None, :], _round_to(y, OUT_DTYPE).to(OUT_DTYPE),
+                 mask=mask)
+        if STORE_RSTD:
+            tl.store(rstd + rows, r, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["ROWS", "SEQUENCE"])
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def gated_norm_bwd(
     x, gate, weight, rstd, dy, dx, dgate, dw_partial,
     ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
@@ -199,10 +220,17 @@ def gated_norm_bwd(
 
 
 def _layout(t: torch.Tensor) -> tuple[tuple[int, int, int], bool]:
-    """(batch, sequence, head) strides of a [B, S, H, D] view and whether tokens are flat."""
+    """(batch, sequence, head) strides of a [B, S, H, D] view and whether tokens are flat.
+
+    With flat tokens the kernel never reads the batch stride: pass 0 so that its value (which
+    grows with the sequence length) cannot change Triton's specialisation key, i.e. a new token
+    count never compiles a new kernel."""
     batch, seq = t.shape[0], t.shape[1]
     sb, ss, sh = t.stride(0), t.stride(1), t.stride(2)
-    return (sb, ss, sh), (batch == 1 or sb == seq * ss)
+    if seq == 1:  # one token per sequence: the batch stride is the token stride
+        ss = sb
+    flat = batch == 1 or sb == seq * ss
+    return (0 if flat else sb, ss, sh), flat
 
 
 def norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype):
@@ -222,11 +250,13 @@ def forward_impl(
     *,
     out: Optional[torch.Tensor] = None,
     activation: str = "silu",
+    programs: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_fwd``; returns ``(out, rstd)``. No input is copied.
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
-    buffer); a new contiguous tensor when None. ``bt``/``warps`` override the heuristics."""
+    buffer); a new contiguous tensor when None. ``bt``/``warps``/``programs`` (grid size)
+    override the heuristics of ``gated_norm_launch`` (used by the benchmark's sweep)."""
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     if out is None:
@@ -236,10 +266,11 @@ def forward_impl(
         return out, rstd
     cfg = forward_launch(rows, dim, x.device)
     bt = bt or cfg.bt
+    programs = min(programs or cfg.max_programs, triton.cdiv(rows, bt))
     x_strides, x_flat = _layout(x)
     g_strides, g_flat = _layout(gate)
     o_strides, o_flat = _layout(out)
-    gated_norm_fwd[(triton.cdiv(rows, bt),)](
+    gated_norm_fwd[(programs,)](
         x, gate, weight, out, rstd,
         rows, heads, dim, seq,
         x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
@@ -260,6 +291,7 @@ def backward_impl(
     warps: Optional[int] = None,
     *,
     activation: str = "silu",
+    programs: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
 
@@ -276,7 +308,7 @@ def backward_impl(
         dy = dy.contiguous()
     cfg = backward_launch(rows, dim, x.device)
     bt = bt or cfg.bt
-    programs = min(triton.cdiv(rows, bt), cfg.max_programs)
+    programs = min(programs or cfg.max_programs, triton.cdiv(rows, bt))
     dw_partial = torch.empty((programs, dim), dtype=torch.float32, device=x.device)
     x_strides, x_flat = _layout(x)
     g_strides, g_flat = _layout(gate)
@@ -296,21 +328,33 @@ def backward_impl(
 # ----------------------------------------------------------------------------------------------
 
 
+def _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation):
+    """Run the forward into a new buffer that is contiguous in ``out_layout`` ([B, S, H, D] for
+    "bshd", [S, B, H, D] for "sbhd"); returns ``(buffer, rstd)``."""
+    if out_layout == "sbhd":
+        batch, seq, heads, dim = x.shape
+        buffer = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
+        _, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=buffer.transpose(0, 1),
+                               activation=activation)
+        return buffer, rstd
+    return forward_impl(x, gate, weight, eps, zero_centered, activation=activation)
+
+
+def _as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:
+    return buffer.transpose(0, 1) if out_layout == "sbhd" else buffer
+
+
 class _FusedGatedNorm(torch.autograd.Function):
-    """First-order autograd of the fused gated norm. Saves x, gate (the caller's tensors, not
-    copies), the weight and one fp32 rstd per row."""
+    """First-order autograd of the fused gated norm (the eager path). Saves x, gate (the
+    caller's tensors, not copies), the weight and one fp32 rstd per row."""
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation):
-        out = None
-        if out_layout == "sbhd":
-            batch, seq, heads, dim = x.shape
-            out = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device).transpose(0, 1)
-        out, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=out, activation=activation)
+        buffer, rstd = _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.zero_centered = zero_centered
         ctx.activation = activation
-        return out
+        return _as_bshd(buffer, out_layout)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -320,6 +364,57 @@ class _FusedGatedNorm(torch.autograd.Function):
             x, gate, weight, rstd, dout, ctx.zero_centered, activation=ctx.activation
         )
         return dx, dgate, dweight, None, None, None, None
+
+
+# torch.compile path. Dynamo cannot trace into a Triton launch wrapper with Python-side
+# heuristics, so under torch.compile the same two launch wrappers run inside two custom ops:
+# opaque to the compiler, with output metadata from register_fake and the autograd formula
+# from register_autograd (no graph break; the compiled backward calls gated_norm_bwd too).
+# Eager calls skip the dispatcher and use _FusedGatedNorm: a custom op costs ~10+ us of host
+# time per call, more than the whole launch. fused_gated_norm picks with is_compiling().
+@torch.library.custom_op("gdn_fusions::gated_norm_fwd", mutates_args=())
+def _gated_norm_fwd_op(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+    out_layout: str, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
+
+
+@_gated_norm_fwd_op.register_fake
+def _(x, gate, weight, eps, zero_centered, out_layout, activation):
+    batch, seq, heads, dim = x.shape
+    shape = (seq, batch, heads, dim) if out_layout == "sbhd" else (batch, seq, heads, dim)
+    return x.new_empty(shape), x.new_empty((batch, seq, heads), dtype=torch.float32)
+
+
+@torch.library.custom_op("gdn_fusions::gated_norm_bwd", mutates_args=())
+def _gated_norm_bwd_op(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+    dy: torch.Tensor, zero_centered: bool, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_impl(x, gate, weight, rstd, dy, zero_centered, activation=activation)
+
+
+@_gated_norm_bwd_op.register_fake
+def _(x, gate, weight, rstd, dy, zero_centered, activation):
+    return x.new_empty(x.shape), gate.new_empty(gate.shape), torch.empty_like(weight)
+
+
+def _fwd_op_setup_context(ctx, inputs, output):
+    x, gate, weight, _eps, zero_centered, out_layout, activation = inputs
+    ctx.save_for_backward(x, gate, weight, output[1])
+    ctx.zero_centered, ctx.out_layout, ctx.activation = zero_centered, out_layout, activation
+
+
+def _fwd_op_backward(ctx, dbuffer, _drstd):
+    x, gate, weight, rstd = ctx.saved_tensors
+    dx, dgate, dweight = _gated_norm_bwd_op(
+        x, gate, weight, rstd, _as_bshd(dbuffer, ctx.out_layout), ctx.zero_centered, ctx.activation
+    )
+    return dx, dgate, dweight, None, None, None, None
+
+
+_gated_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
 
 
 def fused_gated_norm(
@@ -355,6 +450,9 @@ def fused_gated_norm(
         raise ValueError(
             f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
         )
+    if torch.compiler.is_compiling():
+        buffer, _ = _gated_norm_fwd_op(x, gate, weight, float(eps), zero_centered, out_layout, activation)
+        return _as_bshd(buffer, out_layout)
     return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation)
 
 

@@ -18,9 +18,10 @@ MAX_HEAD_DIM = 8192
 
 
 class ForwardLaunch(NamedTuple):
-    bt: int  # rows per program
+    bt: int  # rows per block (one loop iteration of a program)
     warps: int
     block_d: int
+    max_programs: int  # grid size cap: fewer programs than blocks makes the kernel persistent
 
 
 class BackwardLaunch(NamedTuple):
@@ -38,14 +39,14 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _forward(rows_bucket: int, dim: int) -> ForwardLaunch:
+def _forward(rows_bucket: int, dim: int, sms: int) -> ForwardLaunch:
     block_d = triton.next_power_of_2(dim)
     # ~2k elements per program: enough bytes in flight per SM, few enough registers.
     bt = max(1, min(16, 2048 // block_d))
     warps = 4 if bt * block_d >= 2048 else 2
     if block_d >= 2048:
         warps = 8
-    return ForwardLaunch(bt, warps, block_d)
+    return ForwardLaunch(bt, warps, block_d, 1 << 30)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -64,7 +65,7 @@ def _bucket(rows: int) -> int:
 
 
 def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:
-    return _forward(_bucket(rows), dim)
+    return _forward(_bucket(rows), dim, sm_count(device))
 
 
 def backward_launch(rows: int, dim: int, device: torch.device) -> BackwardLaunch:

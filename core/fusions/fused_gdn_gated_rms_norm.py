@@ -81,8 +81,8 @@ def fused_gdn_gated_rms_norm(
         rows, num_v_heads, head_v_dim, tokens,
         strides(x), strides(z), strides(out), True, True, True,
         float(eps), False, cfg.bt, cfg.block_d,
-        tl.float32,  # NORM_DTYPE: no intermediate rounding (one rounding at the store)
-        kernel_activation, bool(norm_before_gate), False,
+        NORM_DTYPE=tl.float32,  # no intermediate rounding: one rounding at the store
+        ACTIVATION=kernel_activation, NORM_BEFORE_GATE=norm_before_gate, STORE_RSTD=False,
         num_warps=cfg.warps,
     )
 
@@ -115,48 +115,54 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
 
+    # Each metadata read costs about a microsecond of Python: read each once, compare locals.
     width = num_v_heads * head_v_dim
-    if x.dim() != 2 or x.shape[1] != width:
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != width:
         raise ValueError(
             f"{_NAME}: x must have shape (num_tokens, num_v_heads * head_v_dim) = (T, {width}), "
-            f"got {tuple(x.shape)}"
+            f"got {tuple(shape)}"
         )
     for name, t in (("z", z), ("out", out)):
-        if t.shape != x.shape:
-            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+        if t.shape != shape:
+            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
     if weight.shape != (head_v_dim,):
         raise ValueError(f"{_NAME}: weight must have shape ({head_v_dim},) (head_v_dim), got {tuple(weight.shape)}")
-    if x.dtype not in SUPPORTED_ACTIVATION_DTYPES:
-        raise TypeError(f"{_NAME}: x dtype must be bf16, fp16 or fp32, got {x.dtype}")
+    dtype = x.dtype
+    if dtype not in SUPPORTED_ACTIVATION_DTYPES:
+        raise TypeError(f"{_NAME}: x dtype must be bf16, fp16 or fp32, got {dtype}")
     for name, t in (("z", z), ("out", out)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{_NAME}: {name} dtype must equal x's dtype {x.dtype}, got {t.dtype}")
-    if weight.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{_NAME}: weight dtype must be fp32 or x's dtype {x.dtype}, got {weight.dtype}")
-    if not (x.device == z.device == weight.device == out.device):
+        if t.dtype != dtype:
+            raise TypeError(f"{_NAME}: {name} dtype must equal x's dtype {dtype}, got {t.dtype}")
+    if weight.dtype != dtype and weight.dtype != torch.float32:
+        raise TypeError(f"{_NAME}: weight dtype must be fp32 or x's dtype {dtype}, got {weight.dtype}")
+    device = x.device
+    if z.device != device or weight.device != device or out.device != device:
         raise ValueError(
             f"{_NAME}: x, z, weight and out must be on one device, got "
-            f"{x.device}, {z.device}, {weight.device}, {out.device}"
+            f"{device}, {z.device}, {weight.device}, {out.device}"
         )
-    for name, t in (("x", x), ("z", z), ("out", out)):
-        if t.numel() and t.stride(1) != 1:
-            raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {t.stride()}")
     if weight.stride(0) != 1:
         raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
-    # Rows of out written by different programs must not share memory (e.g. an expanded view).
-    if out.shape[0] > 1 and out.stride(0) < width:
-        raise ValueError(
-            f"{_NAME}: out rows must not overlap each other: token stride {out.stride(0)} < row width {width}"
-        )
-    for name, t in (("x", x), ("z", z)):
-        if _overlap(out, t) == "partial":
+    tokens = shape[0]
+    if tokens:
+        for name, t in (("x", x), ("z", z), ("out", out)):
+            if t.stride(1) != 1:
+                raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {t.stride()}")
+        # Rows of out written by different programs must not share memory (an expanded view).
+        if tokens > 1 and out.stride(0) < width:
             raise ValueError(
-                f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) or "
-                f"not overlap it; it partially overlaps {name}"
+                f"{_NAME}: out rows must not overlap each other: token stride {out.stride(0)} < row width {width}"
             )
-    if _overlap(out, weight) != "none":
-        raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, z, weight, out)):
+        for name, t in (("x", x), ("z", z)):
+            if t is not out and _overlap(out, t) == "partial":  # `is`: the common in-place call
+                raise ValueError(
+                    f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
+                    f"or not overlap it; it partially overlaps {name}"
+                )
+        if _overlap(out, weight) != "none":
+            raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
+    if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad or weight.requires_grad or out.requires_grad):
         raise ValueError(
             f"{_NAME}: has no autograd, but an input requires grad with grad mode enabled; call it "
             "under torch.no_grad() or torch.inference_mode(), or use fused_gated_norm to train"
@@ -166,8 +172,9 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) byte addresses of t's elements (t non-empty, non-negative strides)."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    start = t.data_ptr()
+    last = sum([(n - 1) * s for n, s in zip(t.shape, t.stride())])
+    return start, start + (last + 1) * t.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> str:

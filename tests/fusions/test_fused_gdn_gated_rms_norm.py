@@ -84,6 +84,12 @@ def test_matches_one_rounding_reference(dtype, norm_before_gate, activation, lay
     assert torch.equal(z, z_before)  # the gate (and the rest of a packed buffer) is untouched
 
 
+def test_out_is_z():
+    """Writing over the gate slice of a packed projection is also an exact alias, allowed."""
+    x, z, weight, _ = make(TOKENS, HEADS, DIM, torch.bfloat16, "packed")
+    assert_one_rounding(z, run(x, z, weight, z, HEADS, DIM))
+
+
 def test_silu_is_swish():
     x, z, weight, _ = make(TOKENS, HEADS, DIM, torch.bfloat16, "contiguous")
     outs = [torch.empty_like(x) for _ in range(2)]

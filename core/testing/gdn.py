@@ -1,0 +1,134 @@
+"""Builders shared by the GDN integration tests and the GPU check script (test-side only).
+
+    config = gdn_config(fused_gated_norm=True, params_dtype=torch.bfloat16)
+    module = build_gdn_module(config)                # core.ssm.GatedDeltaNet, no TE by default
+    layer = build_gdn_layer(config)                  # TransformerLayer: norm + GDN + MLP
+    shard = shard_gdn_state_dict(module.state_dict(), config, tp_rank, tp_size)
+
+Call ``core.testing.cpu.install_cpu_shims()`` and initialise parallel_state first on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from core.transformer.transformer_config import TransformerConfig
+
+
+def gdn_config(
+    hidden_size: int = 64,
+    num_key_heads: int = 2,
+    num_value_heads: int = 4,
+    key_head_dim: int = 16,
+    value_head_dim: int = 16,
+    params_dtype: torch.dtype = torch.bfloat16,
+    **overrides,
+) -> TransformerConfig:
+    """A GDN TransformerConfig (RMSNorm, silu, deterministic megatron chunk rule unless
+    overridden). Tiny by default; pass Qwen3-Next sizes for the GPU."""
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=hidden_size,
+        num_attention_heads=4,
+        ffn_hidden_size=2 * hidden_size,
+        normalization="RMSNorm",
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=key_head_dim,
+        linear_value_head_dim=value_head_dim,
+        linear_num_key_heads=num_key_heads,
+        linear_num_value_heads=num_value_heads,
+        activation_func=F.silu,
+        deterministic_mode=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _pg_collection():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
+    """core.ssm.GatedDeltaNet from ``get_gdn_module_spec(use_te)``. ``seed`` reseeds megatron's
+    RNG tracker first, so two builds with the same config get the same weights."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from core.models.gdn_specs import get_gdn_module_spec
+
+    if seed is not None:
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return build_module(
+        get_gdn_module_spec(use_te), config=config, layer_number=1, pg_collection=_pg_collection()
+    )
+
+
+def build_gdn_layer(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
+    """TransformerLayer from ``get_gdn_layer_spec(use_te)`` (input norm, GDN, MLP)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from core.models.gdn_specs import get_gdn_layer_spec
+
+    if seed is not None:
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return build_module(get_gdn_layer_spec(use_te), config=config, layer_number=1)
+
+
+def randomize_norm_weights(module: torch.nn.Module, seed: int = 7) -> None:
+    """Give every norm weight (initialised to 1 or 0) distinct values, so tests see them."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                noise = torch.randn(p.shape, generator=gen) * 0.3
+                p.copy_((p.float().cpu() + noise).to(p.dtype))
+
+
+def shard_gdn_state_dict(full: dict, config, tp_rank: int, tp_size: int, prefix: str = "") -> dict:
+    """The TP shard ``tp_rank`` of a TP=1 GatedDeltaNet state dict (keys under ``prefix``).
+
+    in_proj rows are [q | k | v | z | beta | alpha] sections, each split over TP; conv1d rows
+    [q | k | v]; A_log / dt_bias split; out_proj columns split; out_norm replicated."""
+    qk = config.linear_key_head_dim * config.linear_num_key_heads
+    v = config.linear_value_head_dim * config.linear_num_value_heads
+    heads = config.linear_num_value_heads
+
+    def sections(t, sizes, dim=0):
+        parts = torch.split(t, sizes, dim=dim)
+        return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in parts], dim=dim)
+
+    out = {}
+    for key, t in full.items():
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        if t is None or not isinstance(t, torch.Tensor):
+            out[key] = t
+        elif name == "in_proj.weight":
+            out[key] = sections(t, [qk, qk, v, v, heads, heads])
+        elif name.startswith("conv1d."):
+            out[key] = sections(t, [qk, qk, v])
+        elif name in ("A_log", "dt_bias"):
+            out[key] = t.chunk(tp_size, dim=0)[tp_rank]
+        elif name == "out_proj.weight":
+            out[key] = t.chunk(tp_size, dim=1)[tp_rank]
+        else:
+            out[key] = t
+        if isinstance(out[key], torch.Tensor):
+            out[key] = out[key].clone()
+    return out

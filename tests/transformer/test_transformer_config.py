@@ -1,0 +1,60 @@
+"""TransformerConfig: the fused_gated_norm flag, its __post_init__ rules, and the GDN
+output-norm zero-centring override."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.testing.gdn import gdn_config
+from core.transformer import TransformerConfig, gdn_out_norm_zero_centered
+
+
+def test_defaults_leave_megatron_unchanged():
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
+    assert config.fused_gated_norm is False
+    assert config.gdn_out_norm_zero_centered_gamma is None
+
+
+@pytest.mark.parametrize("activation", [F.silu, torch.sigmoid])
+def test_flag_accepted_with_gdn_rmsnorm_and_supported_gate(activation):
+    config = gdn_config(fused_gated_norm=True, activation_func=activation)
+    assert config.fused_gated_norm
+
+
+def test_flag_requires_gated_delta_net_variant():
+    with pytest.raises(ValueError, match=r"fused_gated_norm requires experimental_attention_variant='gated_delta_net'"):
+        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                          normalization="RMSNorm", activation_func=F.silu, fused_gated_norm=True)
+
+
+def test_flag_requires_rmsnorm():
+    with pytest.raises(ValueError, match=r"fused_gated_norm requires normalization='RMSNorm'.*'LayerNorm'"):
+        gdn_config(fused_gated_norm=True, normalization="LayerNorm")
+
+
+def test_flag_requires_supported_gate_activation():
+    with pytest.raises(ValueError, match=r"fused_gated_norm requires activation_func .*got gelu"):
+        gdn_config(fused_gated_norm=True, activation_func=F.gelu)
+
+
+def test_zero_centered_override_must_be_bool_or_none():
+    with pytest.raises(ValueError, match="gdn_out_norm_zero_centered_gamma must be None"):
+        gdn_config(gdn_out_norm_zero_centered_gamma="yes")
+
+
+@pytest.mark.parametrize(
+    "global_flag, override, expected",
+    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
+)
+def test_zero_centered_resolution(global_flag, override, expected):
+    config = gdn_config(layernorm_zero_centered_gamma=global_flag,
+                        gdn_out_norm_zero_centered_gamma=override)
+    assert gdn_out_norm_zero_centered(config) is expected
+
+
+def test_zero_centered_resolution_on_plain_megatron_config():
+    from megatron.core.transformer import TransformerConfig as MegatronConfig
+
+    config = MegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            layernorm_zero_centered_gamma=True)
+    assert gdn_out_norm_zero_centered(config) is True

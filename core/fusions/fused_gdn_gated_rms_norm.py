@@ -11,7 +11,7 @@ The kernel is selected by compile-time switches: NORM_DTYPE=tl.float32 (no inter
 rounding), ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD=False (nothing saved for a backward). The
 2-D ``(num_tokens, num_v_heads * head_v_dim)`` tensors are addressed as ``[1, T, H, D]`` views
 by passing their strides: no copy, no allocation, no host sync, so the call can be captured in
-a CUDA graph. Row offsets are 64-bit inside the kernel.
+a CUDA graph. Element offsets are 64-bit inside the kernel (rows, token * head, < 2**31).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def fused_gdn_gated_rms_norm(
     def strides(t: torch.Tensor) -> tuple[int, int, int]:
         return (0, t.stride(0), head_v_dim)
 
-    gated_norm_fwd[(triton.cdiv(rows, cfg.bt),)](
+    programs = min(cfg.max_programs, triton.cdiv(rows, cfg.bt))  # same grid rule as training
+    gated_norm_fwd[(programs,)](
         x, z, weight, out, None,  # no rstd: STORE_RSTD=False
         rows, num_v_heads, head_v_dim, tokens,
         strides(x), strides(z), strides(out), True, True, True,
@@ -145,6 +146,9 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
     if weight.stride(0) != 1:
         raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
     tokens = shape[0]
+    # Element offsets are 64-bit in the kernel; the row (token * head) index is 32-bit.
+    if tokens * num_v_heads >= 2**31:
+        raise ValueError(f"{_NAME}: num_tokens * num_v_heads must be < 2**31, got {tokens} * {num_v_heads}")
     if tokens:
         for name, t in (("x", x), ("z", z), ("out", out)):
             if t.stride(1) != 1:

@@ -203,6 +203,10 @@ BAD = {
     "out partial z": (lambda a: a | dict(zip(("z", "out"), _packed_pair())), ValueError, "partially overlaps z"),
     "out shifted x": (lambda a: _shifted(a), ValueError, "partially overlaps x"),
     "out over weight": (lambda a: _out_over_weight(a), ValueError, "out must not overlap weight"),
+    # Expanded (memoryless) views with 2**27 tokens * 16 heads = 2**31 rows.
+    "rows 2**31": (lambda a: a | {k: a[k][:1].expand(2**27, 16) for k in ("x", "z", "out")}
+                   | {"num_v_heads": 16, "head_v_dim": 1, "weight": a["weight"][:1]},
+                   ValueError, r"num_tokens \* num_v_heads must be < 2\*\*31"),
     "heads type": (lambda a: a | {"num_v_heads": 2.0}, TypeError, "num_v_heads must be an int"),
     "heads bool": (lambda a: a | {"num_v_heads": True}, TypeError, "num_v_heads must be an int"),
     "dim zero": (lambda a: a | {"head_v_dim": 0}, ValueError, "head_v_dim must be > 0"),

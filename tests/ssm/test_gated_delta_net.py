@@ -1,0 +1,297 @@
+"""core.ssm.GatedDeltaNet on the CPU (megatron's deterministic chunk rule, Triton interpreter):
+flag on vs off parity per the numerics contract, unchanged megatron behaviour with the flag off,
+zero-copy data flow, zero-centring override, and every validate_gated_norm rejection."""
+
+from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+
+install_cpu_shims()
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
+from core.testing.gdn import (  # noqa: E402
+    build_gdn_layer,
+    build_gdn_module,
+    gdn_config,
+    randomize_norm_weights,
+)
+from core.transformer import RMSNorm  # noqa: E402
+
+SEQ, BATCH, HIDDEN = 24, 2, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_parallel():
+    init_cpu_model_parallel(tp_size=1)
+
+
+def _inputs(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(dtype)
+    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(dtype)
+    return x, dy
+
+
+def _run(layer, x, dy):
+    x = x.clone().requires_grad_(True)
+    out = layer(x, attention_mask=None)[0]
+    out.backward(dy)
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads
+
+
+def _layers(dtype=torch.bfloat16, **cfg):
+    """(unfused, fused) layers with identical weights (norm weights randomised)."""
+    ref = build_gdn_layer(gdn_config(params_dtype=dtype, fused_gated_norm=False, **cfg))
+    randomize_norm_weights(ref)
+    fused = build_gdn_layer(gdn_config(params_dtype=dtype, fused_gated_norm=True, **cfg))
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
+def _bits_within_one_ulp(a, b):
+    ai = a.view(torch.int16).int()
+    bi = b.view(torch.int16).int()
+    same_sign = (ai < 0) == (bi < 0)
+    return bool((((ai - bi).abs() <= 1) & same_sign | (a == b)).all())
+
+
+def _rel_err(t, ref):
+    return ((t.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    ref, fused = _layers(torch.bfloat16)
+    x, dy = _inputs(torch.bfloat16)
+    f32 = build_gdn_layer(gdn_config(params_dtype=torch.float32, fused_gated_norm=False))
+    f32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                         for k, v in ref.state_dict().items()})
+    return _run(ref, x, dy), _run(fused, x, dy), _run(f32, x.float(), dy.float())
+
+
+def test_bf16_output_matches_unfused_bitwise_or_one_ulp(bf16_runs):
+    (out_ref, _, _), (out_fused, _, _), _ = bf16_runs
+    assert out_fused.dtype == torch.bfloat16 and out_fused.shape == (SEQ, BATCH, HIDDEN)
+    assert (out_fused == out_ref).float().mean().item() >= 0.999
+    assert _bits_within_one_ulp(out_fused, out_ref)
+
+
+def test_bf16_grads_no_less_accurate_than_unfused(bf16_runs):
+    (_, dx_ref, g_ref), (_, dx_fused, g_fused), (_, dx_32, g_32) = bf16_runs
+    assert g_ref.keys() == g_fused.keys()
+    pairs = [("input", dx_ref, dx_fused, dx_32)] + [(n, g_ref[n], g_fused[n], g_32[n]) for n in g_ref]
+    for name, unfused, fused, high in pairs:
+        err_unfused, err_fused = _rel_err(unfused, high), _rel_err(fused, high)
+        assert err_fused <= 1.05 * err_unfused + 1e-6, (name, err_fused, err_unfused)
+        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2 * unfused.float().abs().max().item())
+
+
+def test_fp32_flag_on_matches_off():
+    ref, fused = _layers(torch.float32)
+    x, dy = _inputs(torch.float32, seed=1)
+    (o_r, dx_r, g_r), (o_f, dx_f, g_f) = _run(ref, x, dy), _run(fused, x, dy)
+    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx_f, dx_r, rtol=1e-5, atol=1e-6)
+    for n in g_r:
+        torch.testing.assert_close(g_f[n], g_r[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_flag_off_is_megatron_unchanged():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+    from megatron.core.transformer.spec_utils import build_module
+
+    from core.models import get_gdn_module_spec
+    from core.testing.gdn import _pg_collection
+
+    config = gdn_config(fused_gated_norm=False)
+    ours = build_gdn_module(config)
+    randomize_norm_weights(ours)
+    spec = copy.copy(get_gdn_module_spec(use_te=False))
+    spec.module = MegatronGDN
+    theirs = build_module(spec, config=config, layer_number=1, pg_collection=_pg_collection())
+    theirs.load_state_dict(ours.state_dict())
+    assert type(theirs) is MegatronGDN
+    x, dy = _inputs(torch.bfloat16, seed=2)
+    a, b = _run(ours, x, dy), _run(theirs, x, dy)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for n in a[2]:
+        assert torch.equal(a[2][n], b[2][n]), n
+
+
+def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    seen = {}
+    module.in_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("in_proj", o[0]))
+    real_fused = gdn_mod.fused_gated_norm
+
+    def spy(x, gate, *args, **kwargs):
+        seen["gate"] = gate
+        out = real_fused(x, gate, *args, **kwargs)
+        seen["norm"] = out
+        return out
+
+    monkeypatch.setattr(gdn_mod, "fused_gated_norm", spy)
+    real_a2a = module._gated_norm_and_a2a
+
+    def a2a_spy(*args, **kwargs):
+        out = real_a2a(*args, **kwargs)
+        seen["a2a"] = out
+        return out
+
+    module._gated_norm_and_a2a = a2a_spy
+    x, dy = _inputs(torch.bfloat16, seed=3)
+    _run(module, x, dy)
+    gate = seen["gate"]
+    assert not gate.is_contiguous(), "the gate must be the strided in_proj slice, not a copy"
+    assert gate.untyped_storage().data_ptr() == seen["in_proj"].untyped_storage().data_ptr()
+    assert seen["norm"].transpose(0, 1).is_contiguous()
+    # megatron's reshape/transpose/.contiguous() after the norm returned the very same buffer
+    assert seen["a2a"].data_ptr() == seen["norm"].data_ptr()
+    assert seen["a2a"].shape == (SEQ, BATCH, 4 * 16)
+
+
+def test_unfused_path_keeps_megatron_gate_copy(monkeypatch):
+    module = build_gdn_module(gdn_config(fused_gated_norm=False))
+    seen = {}
+    real = type(module)._apply_gated_norm
+
+    def spy(self, x, gate):
+        seen["gate_contiguous"] = gate.is_contiguous()
+        return real(self, x, gate)
+
+    monkeypatch.setattr(type(module), "_apply_gated_norm", spy)
+    _run(module, *_inputs(torch.bfloat16, seed=4))
+    assert seen["gate_contiguous"]
+
+
+def test_zero_centered_override_loads_unshifted_weights():
+    """Qwen3-Next style: other norms zero-centred, GDN output norm not. The override with
+    weight w equals the zero-centred norm with weight w - 1 (dyadic values: exact)."""
+    w = 1.0 + torch.arange(16, dtype=torch.float32) / 64
+    base = dict(layernorm_zero_centered_gamma=True, fused_gated_norm=True)
+    plain = build_gdn_module(gdn_config(gdn_out_norm_zero_centered_gamma=False, **base))
+    shifted = build_gdn_module(gdn_config(**base))
+    assert plain.out_norm.zero_centered_gamma is False and plain.out_norm_zero_centered is False
+    assert shifted.out_norm.zero_centered_gamma is True and shifted.out_norm_zero_centered is True
+    shifted.load_state_dict({**plain.state_dict(), "out_norm.weight": (w - 1).to(torch.bfloat16)})
+    plain.out_norm.weight.data.copy_(w)
+    x, dy = _inputs(torch.bfloat16, seed=5)
+    a, b = _run(plain, x, dy), _run(shifted, x, dy)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # the unfused path honours the override the same way
+    unfused = build_gdn_module(gdn_config(gdn_out_norm_zero_centered_gamma=False,
+                                          layernorm_zero_centered_gamma=True))
+    unfused.load_state_dict(plain.state_dict())
+    c = _run(unfused, x, dy)
+    assert (c[0] == a[0]).float().mean().item() >= 0.999 and _bits_within_one_ulp(c[0], a[0])
+
+
+def test_layer_spec_zero_centered_override_keeps_input_norm_zero_centered():
+    layer = build_gdn_layer(gdn_config(layernorm_zero_centered_gamma=True,
+                                       gdn_out_norm_zero_centered_gamma=False, fused_gated_norm=True))
+    assert layer.input_layernorm.zero_centered_gamma is True
+    assert layer.pre_mlp_layernorm.zero_centered_gamma is True
+    assert layer.self_attention.out_norm.zero_centered_gamma is False
+
+
+# ---------------------------------------------------------------------------------------------
+# validate_gated_norm rejections, through the module (host-side checks before any launch)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fused_module():
+    return build_gdn_module(gdn_config(fused_gated_norm=True))
+
+
+def _xg(dtype=torch.bfloat16, heads=4, dim=16):
+    x = torch.randn(2, 3, heads, dim).to(dtype)
+    return x, torch.randn(2, 3, heads, dim).to(dtype)
+
+
+def _with_config(module, **changes):
+    clone = copy.copy(module)
+    clone.config = copy.copy(module.config)
+    for k, v in changes.items():
+        setattr(clone.config, k, v)
+    return clone
+
+
+def test_validation_accepts_good_inputs(fused_module):
+    out = fused_module._apply_gated_norm(*_xg())
+    assert out.shape == (2, 3, 4, 16)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda m: (_with_config(m, normalization="LayerNorm"), _xg()), ValueError,
+         "requires normalization='RMSNorm'"),
+        (lambda m: (_with_config(m, activation_func=F.gelu), _xg()), ValueError,
+         "silu or sigmoid gate activation"),
+        (lambda m: (_with_config(m, layernorm_epsilon=1e-3), _xg()), ValueError,
+         r"out_norm eps \(1e-05\) to equal config.layernorm_epsilon"),
+        (lambda m: (m, _xg(heads=3)), ValueError, r"core_attn_out of shape \[batch, seq, 4, 16\]"),
+        (lambda m: (m, (_xg()[0], _xg(heads=2)[1])), ValueError, r"gate of shape \[batch, seq, 4, 16\]"),
+        (lambda m: (m, (_xg(torch.float64))), TypeError, "x dtype must be bf16, fp16 or fp32"),
+        (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError, "gate dtype must equal x dtype"),
+        (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])), ValueError,
+         "gate must have last-dim stride 1"),
+        (lambda m: (m, (_xg()[0].to("meta"), _xg()[1].to("meta"))), ValueError,
+         "must be on one device"),
+    ],
+    ids=["normalization", "activation", "eps", "x-heads", "gate-heads", "dtype", "gate-dtype",
+         "stride", "device"],
+)
+def test_validation_rejections(fused_module, make, error, match):
+    module, (x, gate) = make(fused_module)
+    with pytest.raises(error, match=match):
+        module._apply_gated_norm(x, gate)
+
+
+def test_validation_rejects_norm_with_bias(fused_module):
+    module = copy.copy(fused_module)
+    module.out_norm = copy.copy(fused_module.out_norm)
+    module.out_norm.bias = torch.nn.Parameter(torch.zeros(16))
+    with pytest.raises(ValueError, match="out_norm without a bias"):
+        module._apply_gated_norm(*_xg())
+
+
+def test_validation_rejects_norm_without_weight_or_wrong_shape(fused_module):
+    module = copy.copy(fused_module)
+    module.out_norm = torch.nn.Identity()
+    with pytest.raises(ValueError, match="out_norm to have a weight"):
+        module._apply_gated_norm(*_xg())
+    module.out_norm = RMSNorm(fused_module.config, hidden_size=8, eps=1e-5)
+    gdn_mod.mark_tp_partial_grad(module.out_norm.weight, 1)
+    with pytest.raises(ValueError, match=r"out_norm.weight of shape \(16,\)"):
+        module._apply_gated_norm(*_xg())
+
+
+def test_replaced_weight_without_tp_handling_raises(fused_module):
+    module = copy.copy(fused_module)
+    module.out_norm = RMSNorm(fused_module.config, hidden_size=16, eps=1e-5)
+    with pytest.raises(RuntimeError, match="lost its tensor-parallel gradient handling"):
+        module._apply_gated_norm(*_xg())
+
+
+def test_zero_centered_mismatch_between_norm_and_config_raises():
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from core.models import get_gdn_module_spec
+    from core.testing.gdn import _pg_collection
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gdn_module_spec(use_te=False)
+    always_zc = ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": True})
+    spec = copy.copy(spec)
+    spec.submodules = copy.copy(spec.submodules)
+    spec.submodules.out_norm = always_zc
+    with pytest.raises(ValueError, match="out_norm.zero_centered_gamma=True disagrees"):
+        build_module(spec, config=gdn_config(fused_gated_norm=True), layer_number=1,
+                     pg_collection=_pg_collection())

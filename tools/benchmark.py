@@ -1,0 +1,501 @@
+"""Benchmark of the fused gated norm against its peers, on one GPU, in one process.
+
+    python tools/benchmark.py [--out DIR] [--quick] [--sweep]
+
+Measures, in this order:
+  1. the copy-bandwidth ceiling (device-to-device copy, bytes read + written);
+  2. parity: our forward against the unfused path (>= 99.9 % bitwise equal, all within 1 ulp);
+  3. forward and backward times (triton.testing.do_bench medians; backward as
+     torch.autograd.grad(out, inputs, dy, retain_graph=True); fresh random inputs) of
+     ours, the unfused eager path, torch.compile of it (default, and with
+     emulate_precision_casts=True, which keeps the intermediate bf16 rounding) and FLA's
+     rms_norm_gated when fla-core is importable; per shape: us, GB/s, % of the ceiling;
+  4. our inference entry (core.fusions.fused_gdn_gated_rms_norm) against FLA's forward;
+  5. host CPU cost of one call, CUDA-graph capture, torch.compile(fullgraph=True) of a function
+     calling fused_gated_norm, and the number of compiled kernels when only the token count
+     changes;
+  6. (--sweep) launch parameters (rows per block, warps, grid size) of both kernels.
+Writes benchmark.json and benchmark.png under --out and prints a short table last.
+
+Bytes counted (the minimum a fused kernel must move, used for every peer alike):
+  forward  = x + gate + out (2 B each per element) + rstd (4 B per row)
+  backward = x + gate + dy + dx + dgate (2 B each per element) + rstd (4 B per row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.fusions.fused_gated_norm import fused_gated_norm  # noqa: E402
+from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
+
+fgn = importlib.import_module("core.fusions.fused_gated_norm")
+
+EPS = 1e-6
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # tests smoke-run this module on the CPU interpreter by setting it to "cpu"
+SHAPES = [(1, 4096, 8, 128), (1, 4096, 32, 128), (2, 8192, 32, 128), (1, 32768, 32, 128),
+          (4, 4096, 16, 256)]
+QUICK_SHAPES = [(1, 4096, 32, 128), (2, 8192, 32, 128)]
+VARIANT_SHAPE = (1, 4096, 32, 128)  # strided-gate and sbhd-output variants (131k rows)
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and implementations
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(shape, variant="plain", seed=0):
+    """Fresh random x, gate, weight (leaves requiring grad) and dy. variant 'strided_gate': the
+    gate is a slice of a packed [B, S, 2 * H * D] projection (read in place by ours)."""
+    torch.manual_seed(seed)
+    b, s, h, d = shape
+    x = torch.randn(shape, device=DEVICE, dtype=DTYPE).requires_grad_()
+    if variant == "strided_gate":
+        packed = (2 * torch.randn((b, s, 2 * h * d), device=DEVICE, dtype=DTYPE)).requires_grad_()
+        gate = packed[..., h * d:].unflatten(-1, (h, d))
+        leaves = (x, packed)
+    else:
+        gate = (2 * torch.randn(shape, device=DEVICE, dtype=DTYPE)).requires_grad_()
+        leaves = (x, gate)
+    weight = (1 + 0.2 * torch.randn(d, device=DEVICE, dtype=DTYPE)).requires_grad_()
+    dy = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    return x, gate, weight, dy, (*leaves, weight)
+
+
+def implementations(fla_fn):
+    """name -> fn(x, gate, weight, sbhd) returning a [B, S, H, D] (bshd) or [S, B, H, D] (sbhd)
+    output, the way a user of that peer would produce the layer's output."""
+
+    def ours(x, g, w, sbhd):
+        out = fused_gated_norm(x, g, w, EPS, out_layout="sbhd" if sbhd else "bshd")
+        return out.transpose(0, 1) if sbhd else out  # the free contiguous [S, B, H, D] view
+
+    def unfused(x, g, w, sbhd):
+        out = unfused_gated_norm(x, g, w, EPS)
+        return out.transpose(0, 1).contiguous() if sbhd else out  # Megatron's transpose copy
+
+    compiled = torch.compile(unfused, dynamic=False)
+    compiled_casts = torch.compile(unfused, dynamic=False, options={"emulate_precision_casts": True})
+    impls = {"ours": ours, "eager": unfused, "compile": compiled, "compile_casts": compiled_casts}
+    if fla_fn is not None:
+        def fla(x, g, w, sbhd):
+            out = fla_fn(x, g, w, None, activation="swish", eps=EPS)
+            return out.transpose(0, 1).contiguous() if sbhd else out
+        impls["fla"] = fla
+    return impls
+
+
+def load_fla():
+    try:
+        from fla.modules.fused_norm_gate import rms_norm_gated  # noqa: F401
+        import fla
+        return rms_norm_gated, getattr(fla, "__version__", "?")
+    except Exception as e:  # noqa: BLE001 - any import failure means "no FLA peer"
+        log(f"fla-core not importable ({type(e).__name__}: {e}); FLA peer skipped")
+        return None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements
+# ------------------------------------------------------------------------------------------------
+
+
+def bench(fn, rep=100):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3  # us
+
+
+def copy_ceiling():
+    n = 1 << 30  # 2 GiB of bf16 each way: far past the 60 MB L2
+    src = torch.randn(n, device=DEVICE, dtype=DTYPE)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src), rep=200)
+    gbps = 2 * n * src.element_size() / us / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"us": us, "GBps": gbps}
+
+
+def bytes_moved(shape):
+    b, s, h, d = shape
+    n, rows = b * s * h * d, b * s * h
+    return {"fwd": 3 * n * 2 + 4 * rows, "bwd": 5 * n * 2 + 4 * rows, "infer": 3 * n * 2}
+
+
+def ulp_distance(a, b):
+    def ordered(t):
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def parity(shape, variant):
+    """Our forward (and gradients) against the unfused path on the same fresh inputs."""
+    x, g, w, dy, leaves = make_inputs(shape, variant, seed=1234)
+    out = fused_gated_norm(x, g, w, EPS, out_layout="sbhd" if variant == "sbhd" else "bshd")
+    ref = unfused_gated_norm(x, g, w, EPS)
+    equal = (out == ref) | (out.isnan() & ref.isnan())
+    result = {"bitwise_equal": equal.float().mean().item(),
+              "max_ulp": ulp_distance(out, ref).max().item()}
+    ours = torch.autograd.grad(out, (x, g, w), dy)
+    theirs = torch.autograd.grad(ref, (x, g, w), dy)
+    for name, a, b in zip(("dx", "dgate"), ours, theirs):
+        result[f"{name}_bitwise_equal"] = (a == b).float().mean().item()
+        result[f"{name}_max_ulp"] = ulp_distance(a, b).max().item()
+    result["dweight_rel_diff"] = ((ours[2].float() - theirs[2].float()).norm()
+                                  / theirs[2].float().norm()).item()
+    result["ok"] = result["bitwise_equal"] >= 0.999 and result["max_ulp"] <= 1
+    return result
+
+
+def time_impl(fn, shape, variant):
+    x, g, w, dy, leaves = make_inputs(shape, variant)
+    sbhd = variant == "sbhd"
+    out = fn(x, g, w, sbhd)  # compile / warm up
+    if sbhd:
+        dy = dy.transpose(0, 1).contiguous()
+    torch.autograd.grad(out, leaves, dy, retain_graph=True)
+    fwd = bench(lambda: fn(x, g, w, sbhd))
+    bwd = bench(lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True))
+    return fwd, bwd
+
+
+def inference_entry(shape, fla_fn):
+    try:
+        from core.fusions.fused_gdn_gated_rms_norm import fused_gdn_gated_rms_norm
+    except ImportError as e:
+        return {"skipped": str(e)}
+    b, s, h, d = shape
+    t = b * s
+    torch.manual_seed(7)
+    x = torch.randn((t, h * d), device=DEVICE, dtype=DTYPE)
+    z = (2 * torch.randn((t, 2 * h * d), device=DEVICE, dtype=DTYPE))[:, h * d:]  # packed slice
+    w = 1 + 0.2 * torch.randn(d, device=DEVICE, dtype=DTYPE)
+    out = torch.empty_like(x)
+    res = {}
+    with torch.no_grad():
+        res["ours_us"] = bench(lambda: fused_gdn_gated_rms_norm(x, z, w, out, EPS, h, d))
+        if fla_fn is not None:
+            xv, zv = x.view(t, h, d), z.unflatten(-1, (h, d))
+            res["fla_us"] = bench(lambda: fla_fn(xv, zv, w, None, activation="swish", eps=EPS))
+            ref = fla_fn(xv, zv, w, None, activation="swish", eps=EPS).view(t, h * d)
+            fused_gdn_gated_rms_norm(x, z, w, out, EPS, h, d)
+            res["bitwise_equal_vs_fla"] = (out == ref).float().mean().item()
+    return res
+
+
+def host_cost():
+    """CPU time of one call (validation + launch) with a tiny shape, so the GPU is never the
+    bottleneck: wall time of a loop of calls divided by the calls."""
+    x, g, w, dy, leaves = make_inputs((1, 16, 8, 128))
+    res = {}
+
+    def per_call(fn, n=3000):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    res["validation_us"] = per_call(lambda: fgn.check_gated_norm_inputs(x, g, w, EPS))
+    with torch.no_grad():
+        res["forward_no_grad_us"] = per_call(lambda: fused_gated_norm(x, g, w, EPS))
+    res["forward_autograd_us"] = per_call(lambda: fused_gated_norm(x, g, w, EPS))
+    out = fused_gated_norm(x, g, w, EPS)
+    res["backward_autograd_us"] = per_call(
+        lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True))
+    xd, gd, wd = x.detach(), g.detach(), w.detach()
+    res["forward_impl_us"] = per_call(lambda: fgn.forward_impl(xd, gd, wd, EPS))
+    return res
+
+
+def cuda_graph_check():
+    x, g, w, dy, leaves = make_inputs((2, 512, 8, 128), "strided_gate")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.autograd.grad(fused_gated_norm(x, g, w, EPS), leaves, dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_gated_norm(x, g, w, EPS)
+        grads = torch.autograd.grad(out, leaves, dy)
+    with torch.no_grad():  # new data into the static inputs, then replay
+        for t in leaves:
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out = fused_gated_norm(x, g, w, EPS)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dy)
+    same = torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    return {"captured": True, "replay_matches_eager": same}
+
+
+def compile_check():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x, g, w, dy, leaves = make_inputs((2, 256, 8, 128), "strided_gate")
+
+    def layer(x, g, w):
+        return fused_gated_norm(x, g, w, EPS, out_layout="sbhd").transpose(0, 1) * 2.0
+
+    compiled = torch.compile(layer, fullgraph=True)  # raises on any graph break
+    out = compiled(x, g, w)
+    grads = torch.autograd.grad(out, leaves, dy.transpose(0, 1).contiguous())
+    ref = layer(x, g, w)
+    ref_grads = torch.autograd.grad(ref, leaves, dy.transpose(0, 1).contiguous())
+    same = torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    return {"fullgraph": True, "graph_breaks": sum(counters["graph_break"].values()),
+            "matches_eager": same}
+
+
+def compiled_variants(kernel):
+    """Number of compiled binaries of a @triton.jit kernel (triton 3.x: device_caches)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in getattr(kernel, "cache", {}).values())
+
+
+def compile_count():
+    """Kernel cache sizes before/after fwd+bwd calls where only the token count changes."""
+    kernels = {"gated_norm_fwd": fgn.gated_norm_fwd, "gated_norm_bwd": fgn.gated_norm_bwd}
+    res = {}
+    for batch in (1, 2):
+        for layout in ("bshd", "sbhd"):
+            x, g, w, dy, leaves = make_inputs((batch, 1000, 32, 128), "strided_gate")
+            torch.autograd.grad(fused_gated_norm(x, g, w, EPS, out_layout=layout), leaves, dy)
+            before = {k: compiled_variants(v) for k, v in kernels.items()}
+            seqs = (1001, 1234, 2048, 3001, 4096, 4097, 7777, 8192, 12289)
+            for s in seqs:
+                x, g, w, dy, leaves = make_inputs((batch, s, 32, 128), "strided_gate")
+                torch.autograd.grad(fused_gated_norm(x, g, w, EPS, out_layout=layout), leaves, dy)
+            after = {k: compiled_variants(v) for k, v in kernels.items()}
+            res[f"B={batch},{layout}"] = {"token_counts": len(seqs), "before": before,
+                                          "new_compiles": {k: after[k] - before[k] for k in kernels}}
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch-parameter sweep
+# ------------------------------------------------------------------------------------------------
+
+
+def sweep(shapes, ceiling):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for shape in shapes:
+        x, g, w, dy, _ = make_inputs(shape)
+        x, g, w = x.detach(), g.detach(), w.detach()
+        b, s, h, d = shape
+        rows = b * s * h
+        nbytes = bytes_moved(shape)
+        _, rstd = fgn.forward_impl(x, g, w, EPS)
+        base = 2048 // triton.next_power_of_2(d)
+        bts = sorted({max(1, base * f // 4) for f in (1, 2, 4, 8, 16)})
+        for bt in bts:
+            for warps in (2, 4, 8):
+                if bt * triton.next_power_of_2(d) // (32 * warps) < 4:
+                    continue  # fewer than 4 elements per thread: not a serious candidate
+                for per_sm in (None, 4, 8, 16):
+                    programs = triton.cdiv(rows, bt) if per_sm is None else sms * per_sm
+                    try:
+                        us = bench(lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps,
+                                                            programs=programs), rep=40)
+                    except Exception as e:  # noqa: BLE001 - out of resources etc.
+                        log(f"  fwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
+                        continue
+                    results.append({"kernel": "fwd", "shape": shape, "bt": bt, "warps": warps,
+                                    "per_sm": per_sm, "us": us,
+                                    "pct": 100 * nbytes["fwd"] / us / 1e3 / ceiling})
+                for per_sm in (2, 4, 8, 16, 32):
+                    try:
+                        us = bench(lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
+                                                             programs=sms * per_sm), rep=40)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  bwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
+                        continue
+                    results.append({"kernel": "bwd", "shape": shape, "bt": bt, "warps": warps,
+                                    "per_sm": per_sm, "us": us,
+                                    "pct": 100 * nbytes["bwd"] / us / 1e3 / ceiling})
+        for kernel in ("fwd", "bwd"):
+            rows_ = sorted((r for r in results if r["shape"] == shape and r["kernel"] == kernel),
+                           key=lambda r: r["us"])
+            log(f"sweep {kernel} {shape}: " + "; ".join(
+                f"bt{r['bt']} w{r['warps']} p{r['per_sm']}: {r['us']:.1f}us {r['pct']:.0f}%"
+                for r in rows_[:5]))
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"] for r in results["timings"]]
+    impls = [k for k in ("ours", "compile_casts", "compile", "fla", "eager")
+             if any(k in r["impls"] for r in results["timings"])]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), sharey=True)
+    width = 0.8 / len(impls)
+    for ax, phase in zip(axes, ("fwd", "bwd")):
+        for i, impl in enumerate(impls):
+            vals = [r["impls"].get(impl, {}).get(f"{phase}_pct", 0) for r in results["timings"]]
+            ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(labels))], vals,
+                   width, label=impl)
+        ax.axhline(100, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{'forward' if phase == 'fwd' else 'backward'}: % of copy ceiling "
+                     f"({results['ceiling']['GBps']:.0f} GB/s)")
+        ax.set_ylim(0, 120)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("% of device-to-device copy bandwidth (higher is better)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Fused gated RMSNorm, bf16, {results['env']['gpu']} ({results['env']['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="out/benchmark", help="folder for benchmark.json/.png")
+    parser.add_argument("--quick", action="store_true", help="two shapes, no variants")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters")
+    parser.add_argument("--impls", default="ours,eager,compile,compile_casts,fla",
+                        help="comma-separated implementations to time")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmark.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    fla_fn, fla_version = load_fla()
+    props = torch.cuda.get_device_properties(0)
+    results = {"env": {
+        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "fla": fla_version,
+        "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+    }}
+    log(json.dumps(results["env"]))
+    results["ceiling"] = copy_ceiling()
+    ceiling = results["ceiling"]["GBps"]
+    log(f"copy ceiling: {ceiling:.0f} GB/s")
+
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    cases = [(s, "plain") for s in shapes]
+    if not args.quick:
+        cases += [(VARIANT_SHAPE, "strided_gate"), (VARIANT_SHAPE, "sbhd"),
+                  ((2, 8192, 32, 128), "strided_gate")]
+
+    checks = {}
+    for name, fn in (("host_cost", host_cost), ("cuda_graph", cuda_graph_check),
+                     ("compile_fullgraph", compile_check), ("compile_count", compile_count)):
+        try:
+            checks[name] = fn()
+        except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+            checks[name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        log(f"{name}: {checks[name]}")
+    results["checks"] = checks
+
+    results["parity"] = {}
+    for shape, variant in cases:
+        p = parity(shape, variant)
+        results["parity"][f"{shape} {variant}"] = p
+        log(f"parity {shape} {variant}: {p['bitwise_equal']:.6%} bitwise equal, max ulp "
+            f"{p['max_ulp']}, dx {p['dx_bitwise_equal']:.4%} dgate {p['dgate_bitwise_equal']:.4%}"
+            f" -> {'OK' if p['ok'] else 'FAIL'}")
+
+    if args.sweep:
+        sweep_shapes = [(1, 4096, 32, 128), (1, 32768, 32, 128), (4, 4096, 16, 256),
+                        (1, 4096, 8, 128)]
+        results["sweep"] = sweep(sweep_shapes, ceiling)
+        with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    impls = {k: v for k, v in implementations(fla_fn).items() if k in args.impls.split(",")}
+    results["timings"] = []
+    for shape, variant in cases:
+        b, s, h, d = shape
+        label = f"{b}x{s}x{h}x{d}" + ("" if variant == "plain" else f" {variant}")
+        nbytes = bytes_moved(shape)
+        entry = {"label": label, "shape": shape, "variant": variant, "rows": b * s * h,
+                 "bytes": nbytes, "floor_us": {k: nbytes[k] / ceiling / 1e3 for k in ("fwd", "bwd")},
+                 "impls": {}}
+        for name, fn in impls.items():
+            try:
+                fwd, bwd = time_impl(fn, shape, variant)
+            except Exception as e:  # noqa: BLE001
+                log(f"{label} {name}: {type(e).__name__}: {e}")
+                continue
+            entry["impls"][name] = {
+                "fwd_us": fwd, "bwd_us": bwd,
+                "fwd_GBps": nbytes["fwd"] / fwd / 1e3, "bwd_GBps": nbytes["bwd"] / bwd / 1e3,
+                "fwd_pct": 100 * nbytes["fwd"] / fwd / 1e3 / ceiling,
+                "bwd_pct": 100 * nbytes["bwd"] / bwd / 1e3 / ceiling,
+            }
+            log(f"{label:28s} {name:14s} fwd {fwd:8.1f} us  bwd {bwd:8.1f} us")
+        entry["inference"] = inference_entry(shape, fla_fn) if variant == "plain" else None
+        results["timings"].append(entry)
+        torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    try:
+        plot(results, os.path.join(args.out, "benchmark.png"))
+    except Exception as e:  # noqa: BLE001
+        log(f"plot failed: {e}")
+
+    # Short table last.
+    log(f"\n{results['env']['gpu']}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"fla {fla_version}  copy ceiling {ceiling:.0f} GB/s")
+    log(f"{'shape':30s} {'impl':14s} {'fwd us':>8s} {'GB/s':>6s} {'%':>4s} | "
+        f"{'bwd us':>8s} {'GB/s':>6s} {'%':>4s}")
+    for entry in results["timings"]:
+        log(f"{entry['label']:30s} {'floor':14s} {entry['floor_us']['fwd']:8.1f} {'':>6s} {'':>4s} | "
+            f"{entry['floor_us']['bwd']:8.1f}")
+        for name, r in entry["impls"].items():
+            log(f"{'':30s} {name:14s} {r['fwd_us']:8.1f} {r['fwd_GBps']:6.0f} {r['fwd_pct']:4.0f} | "
+                f"{r['bwd_us']:8.1f} {r['bwd_GBps']:6.0f} {r['bwd_pct']:4.0f}")
+        if entry.get("inference"):
+            log(f"{'':30s} inference: {entry['inference']}")
+    hc = checks.get("host_cost", {})
+    log(f"host cost us/call: {json.dumps({k: round(v, 2) for k, v in hc.items() if isinstance(v, float)})}")
+    log(f"cuda graph: {checks.get('cuda_graph')}; compile: {checks.get('compile_fullgraph')}")
+    log(f"compile count: {json.dumps(checks.get('compile_count'))}")
+    ok = all(p["ok"] for p in results["parity"].values())
+    log(f"parity vs unfused: {'OK' if ok else 'FAIL'} "
+        f"(min bitwise {min(p['bitwise_equal'] for p in results['parity'].values()):.6%})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Selective recompute 'gdn_norm_out' with the fused norm: bitwise-equal output, input grad and
+every parameter grad with and without recompute; the norm output's storage is freed after the
+forward and rebuilt in backward; validate_gated_norm runs again during the recomputation."""
+
+from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+
+install_cpu_shims()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
+from core.testing.gdn import build_gdn_layer, gdn_config, randomize_norm_weights  # noqa: E402
+
+SEQ, BATCH, HIDDEN = 24, 2, 64
+RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_parallel():
+    init_cpu_model_parallel(tp_size=1)
+
+
+@pytest.fixture
+def validate_calls(monkeypatch):
+    calls = []
+    real = gdn_mod.validate_gated_norm
+
+    def counting(module, x, gate):
+        calls.append(torch.is_grad_enabled())
+        return real(module, x, gate)
+
+    monkeypatch.setattr(gdn_mod, "validate_gated_norm", counting)
+    return calls
+
+
+def _pair(fused: bool):
+    plain = build_gdn_layer(gdn_config(fused_gated_norm=fused))
+    randomize_norm_weights(plain)
+    recompute = build_gdn_layer(gdn_config(fused_gated_norm=fused, **RECOMPUTE))
+    recompute.load_state_dict(plain.state_dict())
+    assert recompute.self_attention.recompute_norm_out and not plain.self_attention.recompute_norm_out
+    return plain, recompute
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(torch.bfloat16)
+    return x, dy
+
+
+def _forward(layer, x):
+    x = x.clone().requires_grad_(True)
+    return x, layer(x, attention_mask=None)[0]
+
+
+def _grads(layer):
+    return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_recompute_is_bitwise_equal(fused, validate_calls):
+    plain, recompute = _pair(fused)
+    x, dy = _inputs()
+
+    xa, out_a = _forward(plain, x)
+    out_a.backward(dy)
+    calls_plain = len(validate_calls)
+
+    xb, out_b = _forward(recompute, x)
+    checkpoint = recompute.self_attention.norm_out_checkpoint
+    stored = checkpoint.outputs[0]
+    assert stored.untyped_storage().nbytes() == 0, "norm output must be freed after the forward"
+    calls_after_forward = len(validate_calls)
+    out_b.backward(dy)
+    assert stored.untyped_storage().nbytes() == stored.numel() * stored.element_size(), \
+        "norm output must be rebuilt during backward"
+
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(xa.grad, xb.grad)
+    ga, gb = _grads(plain), _grads(recompute)
+    assert ga.keys() == gb.keys() and len(ga) == len(list(plain.parameters()))
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+    if fused:
+        # one validation per forward; the recomputation in backward validates again, with grad on
+        assert calls_plain == 1
+        assert calls_after_forward - calls_plain == 1
+        assert len(validate_calls) - calls_after_forward == 1
+        assert validate_calls[-1] is True and validate_calls[-2] is False
+    else:
+        assert validate_calls == []
+
+
+def test_recompute_validation_failure_surfaces_in_backward(validate_calls):
+    """A module changed between forward and backward is caught by the recomputed validation."""
+    _, recompute = _pair(True)
+    x, dy = _inputs()
+    _, out = _forward(recompute, x)
+    recompute.self_attention.config.normalization = "LayerNorm"
+    try:
+        with pytest.raises(ValueError, match="requires normalization='RMSNorm'"):
+            out.backward(dy)
+    finally:
+        recompute.self_attention.config.normalization = "RMSNorm"

@@ -14,6 +14,7 @@ Launch parameters come from ``gated_norm_launch``; numerics are explained in doc
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -226,13 +227,14 @@ def _layout(t: torch.Tensor) -> tuple[tuple[int, int, int], bool]:
     grows with the sequence length) cannot change Triton's specialisation key, i.e. a new token
     count never compiles a new kernel."""
     batch, seq = t.shape[0], t.shape[1]
-    sb, ss, sh = t.stride(0), t.stride(1), t.stride(2)
+    sb, ss, sh, _ = t.stride()
     if seq == 1:  # one token per sequence: the batch stride is the token stride
         ss = sb
     flat = batch == 1 or sb == seq * ss
     return (0 if flat else sb, ss, sh), flat
 
 
+@functools.lru_cache(maxsize=None)
 def norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype):
     """Triton dtype of the unfused norm's output: the promotion of x's and the weight's dtype
     (a bf16 weight rounds to bf16, an fp32 weight does not round)."""
@@ -260,8 +262,8 @@ def forward_impl(
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty((batch, seq, heads), dtype=torch.float32, device=x.device)
+        out = x.new_empty(x.shape)
+    rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
     if rows == 0:
         return out, rstd
     cfg = forward_launch(rows, dim, x.device)

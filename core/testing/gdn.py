@@ -98,7 +98,7 @@ def randomize_norm_weights(module: torch.nn.Module, seed: int = 7) -> None:
         for name, p in module.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 noise = torch.randn(p.shape, generator=gen) * 0.3
-                p.copy_((p.float().cpu() + noise).to(p.dtype))
+                p.copy_((p.float().cpu() + noise).to(p.dtype).to(p.device))
 
 
 def shard_gdn_state_dict(full: dict, config, tp_rank: int, tp_size: int, prefix: str = "") -> dict:

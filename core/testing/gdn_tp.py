@@ -58,7 +58,7 @@ class DDPStandIn(torch.nn.Module):
 
 
 def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dict] = CASES,
-                   device: str = "cpu", **config_overrides) -> None:
+                   **config_overrides) -> None:
     """TP=1 run (parallel_state already initialised with TP=1): saves to ``path`` the weights,
     inputs, output and out_norm weight grad, per value of the fused flag."""
     from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights
@@ -69,13 +69,16 @@ def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dic
         config = gdn_config(params_dtype=torch.float32, fused_gated_norm=fused, **config_overrides)
         module = build_gdn_module(config, seed=99)
         randomize_norm_weights(module)
+        device = module.out_norm.weight.device
         x = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device)
         dy = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device)
         out = module(x, attention_mask=None)[0]
         out.backward(dy)
         ref[fused] = dict(
-            state=module.state_dict(), x=x, dy=dy, out=out.detach(),
-            dw=module.out_norm.weight.grad.detach().clone(),
+            state={k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                   for k, v in module.state_dict().items()},
+            x=x.cpu(), dy=dy.cpu(), out=out.detach().cpu(),
+            dw=module.out_norm.weight.grad.detach().cpu().clone(),
         )
     torch.save({"ref": ref, "overrides": config_overrides}, path)
 

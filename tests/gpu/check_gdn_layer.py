@@ -1,0 +1,384 @@
+"""GPU check of the Megatron integration (run by hand / by the device; not collected by pytest).
+
+The megatron GatedDeltaNet (core.ssm.GatedDeltaNet from core.models.get_gdn_module_spec, no
+Transformer Engine needed) with FLA's real kernels, bf16, flag on vs off:
+
+  1. parity at S=4096, B=1: output bits and gradients, against megatron's unfused path as it
+     runs in training (jit_fuser = torch.compile) and as written (eager), plus an fp32 copy of
+     the layer as the accuracy reference; flag-off vs flag-off shows FLA's own run-to-run noise;
+  2. selective recompute 'gdn_norm_out' with the flag (deterministic_mode: torch.equal expected);
+  3. peak memory of forward + backward and fwd+bwd time, on vs off, at Qwen3-Next GDN shapes
+     (hidden 2048, 16 key heads, 32 value heads, head dims 128) for S=4096 B=1 and S=8192 B=2.
+
+    python tests/gpu/check_gdn_layer.py                      # everything, one GPU
+    python tests/gpu/check_gdn_layer.py --no-jit             # megatron's jit_fuser disabled
+    torchrun --nproc-per-node 2 tests/gpu/check_gdn_layer.py --tp 2   # TP=2 over NCCL
+    python tests/gpu/check_gdn_layer.py --smoke-cpu          # tiny dry run of this script on CPU
+
+A short table is printed last; full results go to $OUT/check_gdn_layer[_tp2].json when $OUT is
+set (else ./check_gdn_layer*.json). Exit status 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import torch  # noqa: E402
+
+QWEN3_NEXT = dict(hidden_size=2048, num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                  value_head_dim=128)
+TINY = dict(hidden_size=64, num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="TP size (use torchrun with as many ranks)")
+    p.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+CPU = ARGS.smoke_cpu
+if CPU:
+    from core.testing.cpu import install_cpu_shims
+
+    install_cpu_shims()
+else:
+    if not torch.cuda.is_available():
+        sys.exit("check_gdn_layer: no CUDA device (use --smoke-cpu for a CPU dry run)")
+    if ARGS.no_jit:
+        import megatron.core.jit as mjit
+
+        mjit.disable_jit_fuser()
+    from core.testing.cpu import patch_checkpoint_without_output_fp8
+
+    patch_checkpoint_without_output_fp8()  # gdn_norm_out recompute without Transformer Engine
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.ssm.gated_delta_net.common import _GDNBase  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+
+from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights  # noqa: E402
+
+DEVICE = "cpu" if CPU else "cuda"
+SHAPES = TINY if CPU else QWEN3_NEXT
+RESULTS: dict = {"device": "cpu (smoke)" if CPU else torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "jit_fuser": not (ARGS.no_jit or CPU), "checks": {}}
+FAILURES: list = []
+
+
+def init_distributed(tp: int) -> int:
+    if CPU:
+        from core.testing.cpu import init_cpu_model_parallel
+
+        init_cpu_model_parallel(tp_size=1)
+        return 0
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    return torch.distributed.get_rank()
+
+
+def sync():
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+class eager_megatron:
+    """Run megatron's jit_fuser-decorated GDN methods as written (torch.compile drops the
+    intermediate rounding of the norm output; the eager code is the numerics reference)."""
+
+    def __enter__(self):
+        self.saved = {}
+        for name, value in list(vars(_GDNBase).items()):
+            orig = getattr(value, "_torchdynamo_orig_callable", None)
+            if orig is not None:
+                self.saved[name] = value
+                setattr(_GDNBase, name, orig)
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(_GDNBase, name, value)
+
+
+def make_module(fused: bool, dtype=torch.bfloat16, deterministic: bool = False, **extra):
+    config = gdn_config(params_dtype=dtype, fused_gated_norm=fused,
+                        deterministic_mode=deterministic or CPU, **SHAPES, **extra)
+    module = build_gdn_module(config, seed=1234)
+    randomize_norm_weights(module)
+    return module
+
+
+def inputs(seq, batch, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(seq, batch, SHAPES["hidden_size"], generator=gen).to(DEVICE, dtype)
+    dy = torch.randn(seq, batch, SHAPES["hidden_size"], generator=gen).to(DEVICE, dtype) * 0.1
+    return x, dy
+
+
+def fwd_bwd(module, x, dy):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = module(x, attention_mask=None)[0]
+    out.backward(dy)
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads
+
+
+def ulp_max(a, b):
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ai - bi).abs().max().item()) if a.numel() else 0
+
+
+def rel_err(t, ref):
+    return ((t.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def check(name: str, ok: bool, detail: str = ""):
+    RESULTS["checks"][name] = {"ok": bool(ok), "detail": detail}
+    if not ok:
+        FAILURES.append(f"{name}: {detail}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parity(seq: int, batch: int) -> dict:
+    off = make_module(False)
+    on = make_module(True)
+    on.load_state_dict(off.state_dict())
+    ref32 = make_module(False, dtype=torch.float32)
+    ref32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                           for k, v in off.state_dict().items()})
+    x, dy = inputs(seq, batch)
+    r_on = fwd_bwd(on, x, dy)
+    r_off = fwd_bwd(off, x, dy)
+    r_off2 = fwd_bwd(off, x, dy)
+    with eager_megatron():
+        r_eager = fwd_bwd(off, x, dy)
+    r_32 = fwd_bwd(ref32, x.float(), dy.float())
+    res = {"shape": f"S={seq} B={batch}"}
+    for label, other in (("off_jit", r_off), ("off_eager", r_eager), ("off_vs_off", r_off2)):
+        a, b = (r_off, r_off2) if label == "off_vs_off" else (r_on, other)
+        res[f"out_bitwise_{label}"] = (a[0] == b[0]).float().mean().item()
+        res[f"out_max_ulp_{label}"] = ulp_max(a[0], b[0])
+    names = ["input"] + sorted(r_on[2])
+    grads = {}
+    for n in names:
+        pick = (lambda r: r[1]) if n == "input" else (lambda r, n=n: r[2][n])
+        grads[n] = {"err_on": rel_err(pick(r_on), pick(r_32)),
+                    "err_off_jit": rel_err(pick(r_off), pick(r_32)),
+                    "err_off_eager": rel_err(pick(r_eager), pick(r_32))}
+    res["grads_rel_err_vs_fp32"] = grads
+    res["out_rel_err_vs_fp32"] = {"on": rel_err(r_on[0], r_32[0]), "off_jit": rel_err(r_off[0], r_32[0]),
+                                  "off_eager": rel_err(r_eager[0], r_32[0])}
+    check("parity: output vs eager unfused >= 99.9% bitwise (FLA noise excepted)",
+          res["out_bitwise_off_eager"] >= min(0.999, res["out_bitwise_off_vs_off"] - 1e-3),
+          f"{res['out_bitwise_off_eager']:.5f} (off vs off {res['out_bitwise_off_vs_off']:.5f})")
+    worst = max(g["err_on"] / max(g["err_off_eager"], g["err_off_jit"], 1e-12) for g in grads.values())
+    res["worst_grad_err_ratio_on_over_off"] = worst
+    check("parity: grads no less accurate than unfused (vs fp32 layer)", worst <= 1.10,
+          f"worst err(on)/err(off) = {worst:.3f}")
+    return res
+
+
+def recompute(seq: int, batch: int) -> dict:
+    plain = make_module(True, deterministic=True)
+    rc = make_module(True, deterministic=True, recompute_granularity="selective",
+                     recompute_modules=["gdn_norm_out"])
+    rc.load_state_dict(plain.state_dict())
+    x, dy = inputs(seq, batch, seed=1)
+    a = fwd_bwd(plain, x, dy)
+    try:
+        b = fwd_bwd(rc, x, dy)
+    except Exception as exc:  # e.g. the share-storage C++ extension cannot be built here
+        from megatron.core.tensor_parallel import random as mrandom
+
+        from core.testing.cpu import _share_storage_copy
+
+        RESULTS["recompute_share_storage_fallback"] = repr(exc)[:300]
+        mrandom._get_share_storage = lambda: _share_storage_copy
+        b = fwd_bwd(rc, x, dy)
+    equal = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(
+        torch.equal(a[2][n], b[2][n]) for n in a[2])
+    check("recompute gdn_norm_out: output, input grad, every param grad torch.equal", equal)
+    return {"shape": f"S={seq} B={batch}", "equal": equal}
+
+
+def measure(seq: int, batch: int, fused: bool) -> dict:
+    module = make_module(fused)
+    x, dy = inputs(seq, batch, seed=2)
+    xr = x.detach().clone().requires_grad_(True)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        xr.grad = None
+        out = module(xr, attention_mask=None)[0]
+        out.backward(dy)
+
+    for _ in range(3):
+        step()
+    sync()
+    res = {}
+    if not CPU:
+        torch.cuda.empty_cache()
+        module.zero_grad(set_to_none=True)
+        xr.grad = None
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync()
+        res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    if not ARGS.skip_timing:
+        times = []
+        for _ in range(ARGS.iters if not CPU else 2):
+            if CPU:
+                t0 = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        res["fwd_bwd_ms_median"] = statistics.median(times)
+        res["fwd_bwd_ms_min"] = min(times)
+    del module
+    return res
+
+
+def tp_mode(tp: int, rank: int) -> dict:
+    """TP=tp over NCCL: the out_norm weight grad after the stock finalize_model_grads equals the
+    TP=1 grad on every rank (SP on/off, main_grad on/off, fused and unfused)."""
+    from core.testing.gdn_tp import CASES, case_name, make_reference, run_rank
+
+    import tempfile
+
+    out_dir = tempfile.mkdtemp(prefix=f"gdn_tp_rank{rank}_")  # scratch, not $OUT (MBs per case)
+    ref_path = os.path.join(out_dir, "ref.pt")
+    overrides = dict(SHAPES)
+    hidden = overrides.pop("hidden_size")
+    # TP=1 reference on every rank (same seeds), then the TP run.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    make_reference(ref_path, seq=256, batch=2, deterministic_mode=True, hidden_size=hidden,
+                   **{k: v for k, v in overrides.items()})
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    results = run_rank(rank, tp, ref_path, os.path.join(out_dir, f"tp_rank{rank}.pt"))
+    ref = torch.load(ref_path, weights_only=False)["ref"]
+    summary = {}
+    for case in CASES:
+        name = case_name(case)
+        expected = ref[case["fused"]]["dw"]
+        got = results[name]["after"]
+        err = rel_err(got, expected)
+        gathered = [torch.zeros_like(got).cuda() for _ in range(tp)]
+        torch.distributed.all_gather(gathered, got.cuda())
+        same = all(torch.equal(gathered[0], g) for g in gathered)
+        summary[name] = {"rel_err_vs_tp1": err, "ranks_identical": same}
+        check(f"tp{tp} {name}: dW == TP1 on every rank", err < 1e-5 and same,
+              f"rel err {err:.2e}, ranks identical {same}")
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return summary
+
+
+def main() -> int:
+    rank = init_distributed(ARGS.tp if not CPU else 1)
+    if ARGS.tp > 1 and not CPU:
+        RESULTS["tp"] = tp_mode(ARGS.tp, rank)
+        table = [f"{n:32s} rel err {v['rel_err_vs_tp1']:.2e}  ranks identical {v['ranks_identical']}"
+                 for n, v in RESULTS["tp"].items()]
+        return finish(rank, table, suffix=f"_tp{ARGS.tp}")
+
+    table = []
+    seq_parity = (4096, 1) if not CPU else (64, 2)
+    for name, fn, shape in (("parity", parity, seq_parity),
+                            ("recompute", recompute, (2048, 1) if not CPU else (64, 2))):
+        try:
+            RESULTS[name] = fn(*shape)
+        except Exception:
+            RESULTS[name] = {"error": traceback.format_exc()}
+            check(f"{name} ran", False, traceback.format_exc().splitlines()[-1])
+    p = RESULTS.get("parity", {})
+    if "out_bitwise_off_eager" in p:
+        table.append(f"parity {p['shape']}: output bitwise vs unfused eager {p['out_bitwise_off_eager']:.5f} "
+                     f"(max {p['out_max_ulp_off_eager']} ulp), vs unfused jit {p['out_bitwise_off_jit']:.5f}, "
+                     f"unfused vs itself {p['out_bitwise_off_vs_off']:.5f}")
+        table.append(f"parity: worst grad error ratio on/off vs fp32 layer {p['worst_grad_err_ratio_on_over_off']:.3f}")
+    if "equal" in RESULTS.get("recompute", {}):
+        table.append(f"recompute gdn_norm_out {RESULTS['recompute']['shape']}: bitwise equal {RESULTS['recompute']['equal']}")
+
+    shapes = [(4096, 1), (8192, 2)] if not CPU else [(64, 2)]
+    perf = {}
+    table.append(f"{'shape':14s} {'flag':5s} {'peak MiB':>10s} {'fwd+bwd ms':>11s}")
+    for seq, batch in shapes:
+        for fused in (False, True):
+            key = f"S={seq} B={batch} {'on' if fused else 'off'}"
+            try:
+                perf[key] = measure(seq, batch, fused)
+            except Exception:
+                perf[key] = {"error": traceback.format_exc()}
+                check(f"measure {key}", False, traceback.format_exc().splitlines()[-1])
+                continue
+            r = perf[key]
+            table.append(f"{f'S={seq} B={batch}':14s} {'on' if fused else 'off':5s} "
+                         f"{r.get('peak_mib', float('nan')):10.1f} {r.get('fwd_bwd_ms_median', float('nan')):11.3f}")
+        on, off = perf.get(f"S={seq} B={batch} on", {}), perf.get(f"S={seq} B={batch} off", {})
+        if "fwd_bwd_ms_median" in on and "fwd_bwd_ms_median" in off:
+            table.append(f"{'':14s} speed-up {off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x, "
+                         f"memory saved {off.get('peak_mib', 0) - on.get('peak_mib', 0):.1f} MiB")
+    RESULTS["perf"] = perf
+    return finish(rank, table)
+
+
+def finish(rank: int, table: list, suffix: str = "") -> int:
+    if rank == 0:
+        out_dir = os.environ.get("OUT") or "."
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"check_gdn_layer{suffix}.json")
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
+        print(f"\n== check_gdn_layer: megatron GatedDeltaNet mixer, bf16, FLA kernels "
+              f"({RESULTS['device']}, jit_fuser={RESULTS['jit_fuser']}) ==")
+        for line in table:
+            print(line)
+        for name, c in RESULTS["checks"].items():
+            print(f"[{'PASS' if c['ok'] else 'FAIL'}] {name} {c['detail']}")
+        print(f"results: {path}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -79,7 +79,7 @@ FAILURES: list = []
 
 
 def init_distributed(tp: int) -> int:
-    if CPU:
+    if CPU and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         from core.testing.cpu import init_cpu_model_parallel
 
         init_cpu_model_parallel(tp_size=1)
@@ -89,9 +89,12 @@ def init_distributed(tp: int) -> int:
         os.environ.setdefault("MASTER_PORT", "29517")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
+        if CPU:  # --smoke-cpu under torchrun: gloo
+            torch.distributed.init_process_group("gloo")
+        else:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -286,7 +289,8 @@ def tp_mode(tp: int, rank: int) -> dict:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
-    make_reference(ref_path, seq=256, batch=2, deterministic_mode=True, hidden_size=hidden,
+    make_reference(ref_path, seq=256 if not CPU else 24, batch=2, deterministic_mode=True,
+                   hidden_size=hidden,
                    **{k: v for k, v in overrides.items()})
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -299,8 +303,8 @@ def tp_mode(tp: int, rank: int) -> dict:
         expected = ref[case["fused"]]["dw"]
         got = results[name]["after"]
         err = rel_err(got, expected)
-        gathered = [torch.zeros_like(got).cuda() for _ in range(tp)]
-        torch.distributed.all_gather(gathered, got.cuda())
+        gathered = [torch.zeros_like(got).to(DEVICE) for _ in range(tp)]
+        torch.distributed.all_gather(gathered, got.to(DEVICE))
         same = all(torch.equal(gathered[0], g) for g in gathered)
         summary[name] = {"rel_err_vs_tp1": err, "ranks_identical": same}
         check(f"tp{tp} {name}: dW == TP1 on every rank", err < 1e-5 and same,
@@ -312,8 +316,8 @@ def tp_mode(tp: int, rank: int) -> dict:
 
 
 def main() -> int:
-    rank = init_distributed(ARGS.tp if not CPU else 1)
-    if ARGS.tp > 1 and not CPU:
+    rank = init_distributed(ARGS.tp)
+    if ARGS.tp > 1:
         RESULTS["tp"] = tp_mode(ARGS.tp, rank)
         table = [f"{n:32s} rel err {v['rel_err_vs_tp1']:.2e}  ranks identical {v['ranks_identical']}"
                  for n, v in RESULTS["tp"].items()]

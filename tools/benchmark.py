@@ -238,6 +238,21 @@ def host_cost():
                    (0, 1024, 128), True, True, True, EPS, False, 16, 128, fgn.norm_dtype(DTYPE, DTYPE),
                    "silu")
     res["ref_triton_launch_us"] = per_call(lambda: fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4))
+    _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
+    res["backward_impl_us"] = per_call(lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
+
+    class Scale(torch.autograd.Function):  # the autograd engine's own cost: one tiny kernel each way
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    ref_out = Scale.apply(x)
+    res["ref_autograd_function_backward_us"] = per_call(
+        lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True))
     return res
 
 

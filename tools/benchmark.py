@@ -94,6 +94,10 @@ def implementations(fla_fn):
         out = unfused_gated_norm(x, g, w, EPS)
         return out.transpose(0, 1).contiguous() if sbhd else out  # Megatron's transpose copy
 
+    # One static-shape graph per case (and per sbhd flag): lift dynamo's default limit of 8.
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(unfused, dynamic=False)
     compiled_casts = torch.compile(unfused, dynamic=False, options={"emulate_precision_casts": True})
     impls = {"ours": ours, "eager": unfused, "compile": compiled, "compile_casts": compiled_casts}

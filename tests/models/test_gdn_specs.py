@@ -107,3 +107,19 @@ def test_gpt_model_from_hybrid_spec_trains_with_flag():
     loss.mean().backward()
     w = model.decoder.layers[0].self_attention.out_norm.weight
     assert w.grad is not None and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+
+
+def test_hybrid_block_with_moe_mlps_runs():
+    from megatron.core.models.gpt import GPTModel
+
+    config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                        fused_gated_norm=True, num_moe_experts=2, moe_layer_freq=[1, 0],
+                        moe_router_topk=2, moe_ffn_hidden_size=32)
+    model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
+                     vocab_size=64, max_sequence_length=16)
+    assert [type(l.mlp).__name__ for l in model.decoder.layers] == ["MoELayer", "MLP"]
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
+    loss = model(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
+    loss.mean().backward()
+    assert torch.isfinite(loss).all()

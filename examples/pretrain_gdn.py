@@ -1,0 +1,543 @@
+#!/usr/bin/env python
+"""Pretrain a small Qwen3-Next-style hybrid GPT (Gated DeltaNet + attention) with megatron-core,
+with the fused GDN output gated norm switched on or off.
+
+    bash tools/setup_venv.sh && .venv/bin/python examples/pretrain_gdn.py --compare
+
+Megatron pieces, as a Megatron user wires them: ``GPTModel`` with the hybrid block spec of
+``core.models.gdn_specs`` (GDN layers, an attention layer every ``--linear-attention-freq``
+layers), ``Float16Module`` for bf16, ``DistributedDataParallel``, ``get_megatron_optimizer``
+(Adam) with ``OptimizerParamScheduler`` (warm-up + cosine), ``finalize_model_grads`` once per
+step. Data: the byte-tokenised corpus under examples/data (nothing is downloaded).
+
+Without a GPU it runs on the CPU: Triton kernels in the interpreter (TRITON_INTERPRET=1, set
+below before anything imports triton), the no-GPU shims of ``core.testing.cpu`` plus those of
+``examples/cpu_training_shims.py`` (optimizer / DDP), gloo, and ``deterministic_mode=True``
+(megatron's torch chunk path: FLA's chunk kernel does not run in the interpreter). With a GPU:
+NCCL, FLA's kernels and bigger defaults.
+
+Tensor parallelism: ``--tp N`` spawns N processes (torch.multiprocessing), or run it under
+``torchrun --nproc-per-node N`` (world size = tp x dp). docs/pretraining.md has the details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must happen before the first `import triton` anywhere (core.fusions, FLA, megatron).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (HERE, ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import pretrain_data  # noqa: E402  (examples/, after the environment is set)
+import pretrain_report  # noqa: E402
+
+# Model sizes: (CPU default, GPU default). Any of them can be overridden on the command line.
+SIZES = {
+    "hidden_size": (64, 1024),
+    "num_layers": (4, 8),
+    "ffn_hidden_size": (192, 2816),
+    "num_attention_heads": (4, 8),
+    "num_query_groups": (2, 2),
+    "kv_channels": (16, 128),
+    "linear_num_key_heads": (2, 8),
+    "linear_num_value_heads": (4, 16),
+    "linear_key_head_dim": (16, 128),
+    "linear_value_head_dim": (16, 128),
+    "seq_length": (128, 2048),
+    "micro_batch_size": (4, 4),
+    "steps": (250, 300),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("the fusion")
+    g.add_argument("--fused-gated-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="TransformerConfig.fused_gated_norm: the fused GDN output gated norm")
+    g.add_argument("--compare", action="store_true",
+                   help="train twice, flag off then on, same data and seed; table + PNG")
+    g.add_argument("--recompute-norm", action="store_true",
+                   help="selective recompute of the GDN output norm "
+                        "(recompute_granularity='selective', recompute_modules=['gdn_norm_out'])")
+    g = p.add_argument_group("parallelism and precision")
+    g.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel size when spawning (under torchrun: world size / tp)")
+    g.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP>1)")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 params/activations, fp32 main params (default: on with a GPU, "
+                        "off on the CPU)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="config.deterministic_mode (megatron's torch GDN chunk path); forced on "
+                        "the CPU, off by default on a GPU (FLA's kernels)")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="default: CPU 4 / GPU 4")
+    g.add_argument("--num-micro-batches", type=int, default=1,
+                   help="gradient-accumulation micro-batches per step")
+    g.add_argument("--seq-length", type=int, default=None, help="default: CPU 128 / GPU 2048")
+    g.add_argument("--steps", type=int, default=None, help="default: CPU 250 / GPU 300")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr", type=float, default=None, help="peak LR (default: CPU 3e-3, GPU 1e-3)")
+    g.add_argument("--min-lr", type=float, default=None, help="default: lr / 10")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 10")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches at the end")
+    g = p.add_argument_group("model (defaults: small on the CPU, bigger on a GPU)")
+    for name, (cpu, gpu) in SIZES.items():
+        if name in ("seq_length", "micro_batch_size", "steps"):
+            continue
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"default: CPU {cpu} / GPU {gpu}")
+    g.add_argument("--linear-attention-freq", type=int, default=4,
+                   help="an attention layer every N layers, GDN otherwise (N > num layers: "
+                        "GDN only)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=os.path.join("runs", "pretrain_gdn"),
+                   help="output folder: summary.txt, losses.csv, loss_curves.png, run_*.json")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    col = 1 if HAS_CUDA else 0
+    for name, values in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[col])
+    if args.bf16 is None:
+        args.bf16 = HAS_CUDA
+    if args.deterministic is None:
+        args.deterministic = not HAS_CUDA
+    if not HAS_CUDA and not args.deterministic:
+        raise SystemExit("--no-deterministic needs a GPU: FLA's chunk kernel does not run in the "
+                         "Triton interpreter")
+    if args.lr is None:
+        args.lr = 1e-3 if HAS_CUDA else 3e-3
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.steps // 10)
+    if args.sequence_parallel and args.tp == 1:
+        raise SystemExit("--sequence-parallel needs --tp > 1")
+    if args.tp < 1 or args.dp < 1:
+        raise SystemExit("--tp and --dp must be >= 1")
+    if HAS_CUDA and "LOCAL_RANK" not in os.environ and args.tp * args.dp > torch.cuda.device_count():
+        raise SystemExit(f"--tp {args.tp} x --dp {args.dp} needs {args.tp * args.dp} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
+    return args
+
+
+def setup_line(args: argparse.Namespace, world_size: int) -> str:
+    kinds = ["attn" if (i + 1) % args.linear_attention_freq == 0 else "gdn"
+             for i in range(args.num_layers)]
+    dev = torch.cuda.get_device_name() if HAS_CUDA else "CPU (Triton interpreter, gloo)"
+    return (f"{dev}; layers {'/'.join(kinds)}, hidden {args.hidden_size}, GDN heads "
+            f"{args.linear_num_key_heads}k/{args.linear_num_value_heads}v x "
+            f"{args.linear_key_head_dim}/{args.linear_value_head_dim}; seq {args.seq_length}, "
+            f"micro-batch {args.micro_batch_size} x {args.num_micro_batches}, "
+            f"TP {args.tp}{' +SP' if args.sequence_parallel else ''}, DP {world_size // args.tp}; "
+            f"{'bf16' if args.bf16 else 'fp32'}; recompute-norm "
+            f"{'on' if args.recompute_norm else 'off'}; deterministic_mode "
+            f"{'on' if args.deterministic else 'off'}; seed {args.seed}; {args.steps} steps")
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron model, optimizer, one run
+# ----------------------------------------------------------------------------------------------
+
+
+def padded_vocab_size(tp: int, divisible_by: int = 128) -> int:
+    multiple = divisible_by * tp
+    return int(math.ceil(pretrain_data.VOCAB_SIZE / multiple) * multiple)
+
+
+def build_config(args: argparse.Namespace, fused: bool):
+    import torch.nn.functional as F
+
+    from core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        # Qwen3-Next style: RMSNorm, SwiGLU, no biases, QK-norm, hybrid GDN/attention.
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=args.linear_attention_freq,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=args.linear_key_head_dim,
+        linear_value_head_dim=args.linear_value_head_dim,
+        linear_num_key_heads=args.linear_num_key_heads,
+        linear_num_value_heads=args.linear_num_value_heads,
+        # the flag, and selective recompute of the GDN output norm
+        fused_gated_norm=fused,
+        recompute_granularity="selective" if args.recompute_norm else None,
+        recompute_modules=["gdn_norm_out"] if args.recompute_norm else None,
+        # parallelism, precision
+        tensor_model_parallel_size=args.tp,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        deterministic_mode=args.deterministic,
+        use_cpu_initialization=not HAS_CUDA,
+        # torch paths everywhere (no TE, no apex, nothing JIT-compiled on the CPU)
+        bias_dropout_fusion=HAS_CUDA,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(args: argparse.Namespace, config):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from core.models.gdn_specs import get_gdn_hybrid_block_spec
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gdn_hybrid_block_spec(config),
+        vocab_size=padded_vocab_size(args.tp),
+        max_sequence_length=args.seq_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if HAS_CUDA:
+        model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        check_for_nan_in_grad=True,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(args: argparse.Namespace, model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=False,
+    )
+    with _cpu_optimizer_context():
+        optimizer = get_megatron_optimizer(opt_config, [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.warmup_steps,
+        lr_decay_steps=args.steps,
+        lr_decay_style="cosine",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def _cpu_optimizer_context():
+    if HAS_CUDA:
+        return contextlib.nullcontext()
+    from cpu_training_shims import cpu_tensor_types
+
+    return cpu_tensor_types()
+
+
+def out_norm_params(model) -> list[torch.Tensor]:
+    """The GDN output-norm weights (one [value_head_dim] vector per GDN layer)."""
+    return [p for n, p in model.named_parameters() if ".out_norm." in n]
+
+
+def out_norm_tp_max_diff(model) -> float:
+    """Max |w_rank - w_rank0| of the GDN out_norm weights over the tensor-parallel group (0.0 means
+    identical on every TP rank). Collective: every rank must call it."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = torch.distributed.get_world_size(group)
+    flat = torch.cat([p.detach().float().reshape(-1) for p in out_norm_params(model)])
+    gathered = [torch.empty_like(flat) for _ in range(tp)]
+    torch.distributed.all_gather(gathered, flat, group=group)
+    return max(float((g - gathered[0]).abs().max()) for g in gathered)
+
+
+def loss_of(output: torch.Tensor, batch) -> torch.Tensor:
+    """Mean next-byte cross-entropy of a micro-batch (output: per-token losses [b, s])."""
+    mask = batch.loss_mask
+    return (output.float() * mask).sum() / mask.sum()
+
+
+def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int) -> dict:
+    """Builds the model from scratch (same seed every time) and trains ``args.steps`` steps."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    rank = torch.distributed.get_rank()
+    tp = args.tp
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
+
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed, force_reset_rng=True)
+    config = build_config(args, fused)
+    model = build_model(args, config)
+    optimizer, scheduler = build_optimizer(args, model)
+    # What megatron's training loop sets on the config (the pipeline schedules read them).
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[{label}] {type(model.module).__name__} params/rank {n_params:,}, "
+              f"GDN out_norm weights: {len(out_norm_params(model))}", flush=True)
+
+    train, held_out = pretrain_data.load_corpus()
+    batches = pretrain_data.train_batches(
+        train, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_micro_batches=args.num_micro_batches, dp_rank=dp_rank, dp_size=dp_size,
+        seed=args.seed, device=device)
+    tokens_per_step = args.seq_length * args.micro_batch_size * args.num_micro_batches * dp_size
+
+    losses, step_times, grad_norms, lrs, tp_diffs = [], [], [], [], []
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc=label, dynamic_ncols=True, mininterval=0.5,
+                   file=sys.stdout)
+    model.train()
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        micro = next(batches)
+        step_loss = torch.zeros((), dtype=torch.float32, device=device)
+        for i, b in enumerate(micro):
+            sync_ctx = model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+            with sync_ctx:
+                output = model(b.tokens, b.position_ids, None, labels=b.labels)
+                loss = loss_of(output, b)
+                step_loss += loss.detach() / len(micro)
+                optimizer.scale_loss(loss / len(micro)).backward()
+        finalize_model_grads([model])  # DP all-reduce, TP reduction of replicated norm grads
+        with _cpu_optimizer_context():
+            update_ok, grad_norm, _ = optimizer.step()
+        if update_ok:
+            scheduler.step(increment=1)
+        if dp_size > 1:
+            torch.distributed.all_reduce(step_loss, group=parallel_state.get_data_parallel_group())
+            step_loss /= dp_size
+        loss_value = float(step_loss)  # syncs the device
+        step_times.append(time.perf_counter() - t0)
+        if tp > 1:
+            tp_diffs.append(out_norm_tp_max_diff(model))
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"[{label}] non-finite loss {loss_value} at step {step}")
+        losses.append(loss_value)
+        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        if bar is not None:
+            recent = step_times[-10:]
+            postfix = {"loss": f"{loss_value:.4f}",
+                       "tok/s": f"{tokens_per_step * len(recent) / sum(recent):,.0f}"}
+            if tp > 1:
+                postfix["tp_w_diff"] = f"{tp_diffs[-1]:.0e}" if tp_diffs[-1] else "0"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    held_out_loss = evaluate(args, model, held_out, device)
+    result = {
+        "label": label,
+        "fused_gated_norm": fused,
+        "steps": args.steps,
+        "losses": losses,
+        "step_times": step_times,
+        "grad_norms": grad_norms,
+        "lrs": lrs,
+        "tokens_per_step": tokens_per_step,
+        "held_out_loss": held_out_loss,
+        "tp_out_norm_max_diff": tp_diffs if tp > 1 else None,
+        "args": {k: v for k, v in vars(args).items()},
+        "world_size": world_size,
+    }
+    del model, optimizer, scheduler
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+    return result
+
+
+@torch.no_grad()
+def evaluate(args: argparse.Namespace, model, held_out: torch.Tensor, device) -> float:
+    if args.eval_batches <= 0:
+        return float("nan")
+    model.eval()
+    batches = pretrain_data.held_out_batches(
+        held_out, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_batches=args.eval_batches, device=device)
+    total = sum(float(loss_of(model(b.tokens, b.position_ids, None, labels=b.labels), b))
+                for b in batches) / len(batches)
+    model.train()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+# ----------------------------------------------------------------------------------------------
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:
+    """One rank: process group, parallel_state, the run(s), and (rank 0) the report."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
+    if HAS_CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        from core.testing.cpu import install_cpu_shims
+
+        from cpu_training_shims import install_cpu_training_shims
+
+        install_cpu_shims()
+        install_cpu_training_shims()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group(
+        "nccl" if HAS_CUDA else "gloo", init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(minutes=10))
+    if world_size % args.tp:
+        raise SystemExit(f"world size {world_size} is not a multiple of --tp {args.tp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    setup = setup_line(args, world_size)
+    if rank == 0:
+        print(setup, flush=True)
+
+    flags = [False, True] if args.compare else [args.fused_gated_norm]
+    runs = []
+    try:
+        for fused in flags:
+            runs.append(train_one(args, fused, f"fused_gated_norm={'on' if fused else 'off'}",
+                                  world_size))
+        if rank == 0:
+            title = "examples/pretrain_gdn.py: " + setup
+            table = pretrain_report.write_outputs(args.out, runs, setup, _wrap(title, 110))
+            print("\n" + table, flush=True)
+            print(f"\nwrote {args.out}/summary.txt, losses.csv, loss_curves.png, run_*.json",
+                  flush=True)
+        torch.distributed.barrier()
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _wrap(text: str, width: int) -> str:
+    words, lines, cur = text.split(" "), [], ""
+    for w in words:
+        if len(cur) + len(w) + 1 > width:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    return "\n".join(lines + [cur])
+
+
+def _spawn_entry(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:
+    worker(rank, world_size, args, init_method)
+
+
+def main(argv=None) -> None:
+    args = resolve_defaults(build_parser().parse_args(argv))
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")
+        rank0 = int(os.environ["RANK"]) == 0
+    else:
+        world_size = args.tp * args.dp
+        rdv_dir = tempfile.mkdtemp(prefix="pretrain_gdn_rdv_")
+        init_method = f"file://{os.path.join(rdv_dir, 'store')}"
+        try:
+            if world_size == 1:
+                worker(0, 1, args, init_method)
+            else:
+                import torch.multiprocessing as mp
+
+                mp.spawn(_spawn_entry, args=(world_size, args, init_method), nprocs=world_size,
+                         join=True)
+        finally:
+            shutil.rmtree(rdv_dir, ignore_errors=True)
+        rank0 = True
+    if rank0:
+        print(f"total wall time {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -128,6 +128,24 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3  # us
 
 
+def bench_graph(fn, calls=10, rep=50):
+    """GPU time of one call with the host out of the picture: ``calls`` back-to-back calls are
+    captured in one CUDA graph and replayed (same for every implementation)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    us = bench(graph.replay, rep=rep) / calls
+    del graph
+    return us
+
+
 def copy_ceiling():
     n = 1 << 30  # 2 GiB of bf16 each way: far past the 60 MB L2
     src = torch.randn(n, device=DEVICE, dtype=DTYPE)
@@ -184,7 +202,13 @@ def time_impl(fn, shape, variant):
     torch.autograd.grad(out, inputs, dy, retain_graph=True)
     fwd = bench(lambda: fn(x, g, w, sbhd))
     bwd = bench(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))
-    return fwd, bwd
+    try:
+        fwd_graph = bench_graph(lambda: fn(x, g, w, sbhd))
+        bwd_graph = bench_graph(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))
+    except Exception as e:  # noqa: BLE001 - a peer that cannot be captured keeps its eager time
+        log(f"graph capture failed: {type(e).__name__}: {e}")
+        fwd_graph = bwd_graph = float("nan")
+    return fwd, bwd, fwd_graph, bwd_graph
 
 
 def inference_entry(shape, fla_fn):
@@ -487,7 +511,7 @@ def main():
             if variant != "plain" and name.startswith("compile") and not args.variant_compile:
                 continue  # each torch.compile case costs ~10 s of compilation
             try:
-                fwd, bwd = time_impl(fn, shape, variant)
+                fwd, bwd, fwd_graph, bwd_graph = time_impl(fn, shape, variant)
             except Exception as e:  # noqa: BLE001
                 log(f"{label} {name}: {type(e).__name__}: {e}")
                 continue
@@ -496,8 +520,13 @@ def main():
                 "fwd_GBps": nbytes["fwd"] / fwd / 1e3, "bwd_GBps": nbytes["bwd"] / bwd / 1e3,
                 "fwd_pct": 100 * nbytes["fwd"] / fwd / 1e3 / ceiling,
                 "bwd_pct": 100 * nbytes["bwd"] / bwd / 1e3 / ceiling,
+                # GPU time in a CUDA graph: the kernels alone, host overhead removed.
+                "fwd_graph_us": fwd_graph, "bwd_graph_us": bwd_graph,
+                "fwd_graph_pct": 100 * nbytes["fwd"] / fwd_graph / 1e3 / ceiling,
+                "bwd_graph_pct": 100 * nbytes["bwd"] / bwd_graph / 1e3 / ceiling,
             }
-            log(f"{label:28s} {name:14s} fwd {fwd:8.1f} us  bwd {bwd:8.1f} us")
+            log(f"{label:28s} {name:14s} fwd {fwd:8.1f} us  bwd {bwd:8.1f} us | graph fwd "
+                f"{fwd_graph:8.1f} us  bwd {bwd_graph:8.1f} us")
         entry["inference"] = inference_entry(shape, fla_fn) if variant == "plain" else None
         results["timings"].append(entry)
         torch.cuda.empty_cache()
@@ -526,13 +555,16 @@ def main():
     log(f"\n{results['env']['gpu']}  torch {torch.__version__}  triton {triton.__version__}  "
         f"fla {fla_version}  copy ceiling {ceiling:.0f} GB/s")
     log(f"{'shape':30s} {'impl':14s} {'fwd us':>8s} {'GB/s':>6s} {'%':>4s} | "
-        f"{'bwd us':>8s} {'GB/s':>6s} {'%':>4s}")
+        f"{'bwd us':>8s} {'GB/s':>6s} {'%':>4s} || graph: {'fwd us':>8s} {'%':>4s} | "
+        f"{'bwd us':>8s} {'%':>4s}")
     for entry in results["timings"]:
         log(f"{entry['label']:30s} {'floor':14s} {entry['floor_us']['fwd']:8.1f} {'':>6s} {'':>4s} | "
             f"{entry['floor_us']['bwd']:8.1f}")
         for name, r in entry["impls"].items():
             log(f"{'':30s} {name:14s} {r['fwd_us']:8.1f} {r['fwd_GBps']:6.0f} {r['fwd_pct']:4.0f} | "
-                f"{r['bwd_us']:8.1f} {r['bwd_GBps']:6.0f} {r['bwd_pct']:4.0f}")
+                f"{r['bwd_us']:8.1f} {r['bwd_GBps']:6.0f} {r['bwd_pct']:4.0f} ||        "
+                f"{r['fwd_graph_us']:8.1f} {r['fwd_graph_pct']:4.0f} | {r['bwd_graph_us']:8.1f} "
+                f"{r['bwd_graph_pct']:4.0f}")
         if entry.get("inference"):
             log(f"{'':30s} inference: {entry['inference']}")
     hc = checks.get("host_cost", {})

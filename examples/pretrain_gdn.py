@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TransformerConfig.fused_gated_norm: the fused GDN output gated norm")
     g.add_argument("--compare", action="store_true",
                    help="train twice, flag off then on, same data and seed; table + PNG")
+    g.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compare, a third run: flag off with the GDN out_norm weights "
+                        "nudged by one ulp, to show how far any last-bit change drifts")
     g.add_argument("--recompute-norm", action="store_true",
                    help="selective recompute of the GDN output norm "
                         "(recompute_granularity='selective', recompute_modules=['gdn_norm_out'])")
@@ -93,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 params/activations, fp32 main params (default: on with a GPU, "
                         "off on the CPU)")
+    g.add_argument("--jit-fuser", action=argparse.BooleanOptionalAction, default=True,
+                   help="megatron's jit_fuser (torch.compile of the unfused GDN norm, as "
+                        "megatron ships it) on a GPU; --no-jit-fuser gives the eager unfused "
+                        "path, the exact reference of the numerics contract. Always off on the "
+                        "CPU")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="config.deterministic_mode (megatron's torch GDN chunk path); forced on "
                         "the CPU, off by default on a GPU (FLA's kernels)")
@@ -134,6 +142,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.bf16 = HAS_CUDA
     if args.deterministic is None:
         args.deterministic = not HAS_CUDA
+    if not HAS_CUDA:
+        args.jit_fuser = False
     if not HAS_CUDA and not args.deterministic:
         raise SystemExit("--no-deterministic needs a GPU: FLA's chunk kernel does not run in the "
                          "Triton interpreter")
@@ -164,7 +174,9 @@ def setup_line(args: argparse.Namespace, world_size: int) -> str:
             f"TP {args.tp}{' +SP' if args.sequence_parallel else ''}, DP {world_size // args.tp}; "
             f"{'bf16' if args.bf16 else 'fp32'}; recompute-norm "
             f"{'on' if args.recompute_norm else 'off'}; deterministic_mode "
-            f"{'on' if args.deterministic else 'off'}; seed {args.seed}; {args.steps} steps")
+            f"{'on' if args.deterministic else 'off'}; megatron jit_fuser "
+            f"{'torch.compile' if args.jit_fuser else 'off'}; seed {args.seed}; "
+            f"{args.steps} steps")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,8 +340,18 @@ def loss_of(output: torch.Tensor, batch) -> torch.Tensor:
     return (output.float() * mask).sum() / mask.sum()
 
 
-def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int) -> dict:
-    """Builds the model from scratch (same seed every time) and trains ``args.steps`` steps."""
+def nudge_out_norm_weights(model) -> None:
+    """Moves every GDN out_norm weight up by one ulp of its dtype (1.0 -> 1.0000001 in fp32,
+    1.0078125 in bf16): a last-bit perturbation at the place the fusion touches."""
+    with torch.no_grad():
+        for p in out_norm_params(model):
+            p.add_(p.abs() * torch.finfo(p.dtype).eps)
+
+
+def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int,
+              nudge: bool = False) -> dict:
+    """Builds the model from scratch (same seed every time) and trains ``args.steps`` steps.
+    nudge: perturb the out_norm weights by one ulp before training (the noise-floor run)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -344,6 +366,8 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     model_parallel_cuda_manual_seed(args.seed, force_reset_rng=True)
     config = build_config(args, fused)
     model = build_model(args, config)
+    if nudge:
+        nudge_out_norm_weights(model)  # before the optimizer copies fp32 main params
     optimizer, scheduler = build_optimizer(args, model)
     # What megatron's training loop sets on the config (the pipeline schedules read them).
     config.finalize_model_grads_func = finalize_model_grads
@@ -414,6 +438,7 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     result = {
         "label": label,
         "fused_gated_norm": fused,
+        "out_norm_nudged": nudge,
         "steps": args.steps,
         "losses": losses,
         "step_times": step_times,
@@ -457,6 +482,12 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
     if HAS_CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        from core.testing.cpu import patch_checkpoint_without_output_fp8
+
+        # gdn_norm_out recompute without Transformer Engine (a no-op when TE is installed).
+        patch_checkpoint_without_output_fp8()
+        if not args.jit_fuser:
+            _disable_megatron_jit_fuser()
     else:
         from core.testing.cpu import install_cpu_shims
 
@@ -480,12 +511,17 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     if rank == 0:
         print(setup, flush=True)
 
-    flags = [False, True] if args.compare else [args.fused_gated_norm]
+    if args.compare:
+        plan = [("fused_gated_norm=off", False, False), ("fused_gated_norm=on", True, False)]
+        if args.noise_floor:
+            plan.append(("off, out_norm w +1ulp", False, True))
+    else:
+        plan = [(f"fused_gated_norm={'on' if args.fused_gated_norm else 'off'}",
+                 args.fused_gated_norm, False)]
     runs = []
     try:
-        for fused in flags:
-            runs.append(train_one(args, fused, f"fused_gated_norm={'on' if fused else 'off'}",
-                                  world_size))
+        for label, fused, nudge in plan:
+            runs.append(train_one(args, fused, label, world_size, nudge=nudge))
         if rank == 0:
             title = "examples/pretrain_gdn.py: " + setup
             table = pretrain_report.write_outputs(args.out, runs, setup, _wrap(title, 110))
@@ -496,6 +532,20 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _disable_megatron_jit_fuser() -> None:
+    """megatron's jit_fuser decorates at import time: switch it off and unwrap what was already
+    compiled (the GDN norm/gate helpers), so the unfused path runs eagerly."""
+    import megatron.core.jit as mjit
+
+    mjit.disable_jit_fuser()
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    for name, value in list(vars(_GDNBase).items()):
+        orig = getattr(value, "_torchdynamo_orig_callable", None)
+        if orig is not None:
+            setattr(_GDNBase, name, orig)
 
 
 def _wrap(text: str, width: int) -> str:

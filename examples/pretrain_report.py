@@ -1,8 +1,9 @@
 """Summary table, CSV and loss-curve PNG of examples/pretrain_gdn.py (rank 0 only).
 
 A run result is a plain dict (also written as JSON):
-    {"label", "fused_gated_norm", "steps", "losses": [per step], "step_times": [s],
-     "tokens_per_step", "held_out_loss", "tp_out_norm_max_diff": [per step] or None, ...}
+    {"label", "fused_gated_norm", "out_norm_nudged", "steps", "losses": [per step],
+     "step_times": [s], "tokens_per_step", "held_out_loss", "tp_out_norm_max_diff", ...}
+The first run is the reference (flag off); every other run is compared with it step by step.
 """
 
 from __future__ import annotations
@@ -11,16 +12,62 @@ import csv
 import json
 import math
 import os
+import re
 from typing import Optional
 
 THROUGHPUT_SKIP = 0.1  # the first 10 % of steps (at least 2) are warm-up: not timed
+ULP_AGREEMENT = 8  # "agrees" = within this many fp32 ulps of the loss
+LATE_FRACTION = 0.2  # the "late" window: the last 20 % of steps
 
 
 def tokens_per_second(run: dict) -> float:
+    """Tokens per step / the median step time after warm-up (robust to a busy machine)."""
     times = run["step_times"]
     skip = min(max(2, int(len(times) * THROUGHPUT_SKIP)), max(len(times) - 1, 0))
-    timed = times[skip:]
-    return run["tokens_per_step"] * len(timed) / max(sum(timed), 1e-12)
+    timed = sorted(times[skip:])
+    mid = len(timed) // 2
+    median = timed[mid] if len(timed) % 2 else 0.5 * (timed[mid - 1] + timed[mid])
+    return run["tokens_per_step"] / max(median, 1e-12)
+
+
+def ulp(x: float) -> float:
+    """fp32 unit in the last place at |x|."""
+    return 2.0 ** (math.frexp(abs(x))[1] - 24) if x else 2.0 ** -149
+
+
+def late_mean(losses: list[float]) -> float:
+    k = max(1, int(len(losses) * LATE_FRACTION))
+    return sum(losses[-k:]) / k
+
+
+def agreement(ref: dict, run: dict) -> dict:
+    """Step-by-step comparison of ``run`` with the reference run."""
+    n = min(len(ref["losses"]), len(run["losses"]))
+    deltas = [run["losses"][i] - ref["losses"][i] for i in range(n)]
+    absd = [abs(d) for d in deltas]
+    ulps = [absd[i] / ulp(ref["losses"][i]) for i in range(n)]
+    worst = max(range(n), key=lambda i: absd[i]) if n else 0
+    lead = next((i for i in range(n) if ulps[i] > ULP_AGREEMENT), n)
+    first_diff = next((i + 1 for i in range(n) if deltas[i] != 0.0), None)
+    ho_ref, ho_run = ref.get("held_out_loss"), run.get("held_out_loss")
+    return {
+        "steps": n,
+        "deltas": deltas,
+        "max_abs": max(absd) if n else 0.0,
+        "max_abs_step": worst + 1,
+        "mean_abs": sum(absd) / n if n else 0.0,
+        "ulp_agreed_steps": lead,  # leading steps within ULP_AGREEMENT ulps
+        "max_ulps_while_agreed": max(ulps[:lead]) if lead else 0.0,
+        "identical_steps": sum(1 for d in deltas if d == 0.0),
+        "first_differing_step": first_diff,
+        "final_delta": deltas[-1] if n else 0.0,
+        "late_mean_delta": late_mean(run["losses"][:n]) - late_mean(ref["losses"][:n]) if n else 0.0,
+        "held_out_delta": (ho_run - ho_ref) if ho_ref is not None and ho_run is not None else None,
+    }
+
+
+def _f(x: Optional[float], fmt: str = ".5f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def tp_check_text(run: dict) -> str:
@@ -30,70 +77,57 @@ def tp_check_text(run: dict) -> str:
     bad = [i + 1 for i, d in enumerate(diffs) if d != 0.0]
     if not bad:
         return f"yes, all {len(diffs)} steps"
-    return f"NO from step {bad[0]} (max |dw| {max(diffs):.2e})"
+    return f"NO from step {bad[0]} (max {max(diffs):.1e})"
 
 
-def agreement(off: dict, on: dict) -> dict:
-    n = min(len(off["losses"]), len(on["losses"]))
-    deltas = [on["losses"][i] - off["losses"][i] for i in range(n)]
-    absd = [abs(d) for d in deltas]
-    rel = [abs(d) / max(abs(off["losses"][i]), 1e-12) for i, d in enumerate(deltas)]
-    worst = max(range(n), key=lambda i: absd[i]) if n else 0
-    first_diff = next((i + 1 for i in range(n) if deltas[i] != 0.0), None)
-    return {
-        "steps": n,
-        "deltas": deltas,
-        "max_abs": max(absd) if n else 0.0,
-        "max_abs_step": worst + 1,
-        "mean_abs": sum(absd) / n if n else 0.0,
-        "max_rel": max(rel) if n else 0.0,
-        "identical_steps": sum(1 for d in deltas if d == 0.0),
-        "first_differing_step": first_diff,
-        "final_delta": deltas[-1] if n else 0.0,
-    }
-
-
-def _fmt_loss(x: Optional[float]) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.5f}"
+def _table(header: list[str], rows: list[tuple[str, list[str]]]) -> list[str]:
+    width0 = max(len(k) for k, _ in rows) + 2
+    widths = [max(len(c), *(len(v[i]) for _, v in rows)) + 2 for i, c in enumerate(header)]
+    lines = [" " * width0 + "".join(c.rjust(w) for c, w in zip(header, widths)),
+             "-" * (width0 + sum(widths))]
+    lines += [k.ljust(width0) + "".join(v.rjust(w) for v, w in zip(vals, widths))
+              for k, vals in rows]
+    return lines
 
 
 def summary_table(runs: list[dict], setup: str) -> str:
-    """A fixed-width table: one column per run (flag off / on), plus agreement rows."""
-    cols = [r["label"] for r in runs]
+    """One column per run; then, for every run after the first, its agreement with the first."""
+    late = f"mean loss, last {max(1, int(runs[0]['steps'] * LATE_FRACTION))} steps"
     rows = [
         ("steps", [str(r["steps"]) for r in runs]),
-        ("first loss", [_fmt_loss(r["losses"][0]) for r in runs]),
-        ("final loss", [_fmt_loss(r["losses"][-1]) for r in runs]),
-        ("mean loss, last 10", [_fmt_loss(sum(r["losses"][-10:]) / len(r["losses"][-10:]))
-                                for r in runs]),
-        ("held-out loss", [_fmt_loss(r.get("held_out_loss")) for r in runs]),
-        ("tokens/s", [f"{tokens_per_second(r):,.0f}" for r in runs]),
+        ("first loss", [_f(r["losses"][0]) for r in runs]),
+        ("final loss", [_f(r["losses"][-1]) for r in runs]),
+        (late, [_f(late_mean(r["losses"])) for r in runs]),
+        ("held-out loss", [_f(r.get("held_out_loss")) for r in runs]),
+        ("tokens/s (median step)", [f"{tokens_per_second(r):,.0f}" for r in runs]),
         ("wall time (s)", [f"{sum(r['step_times']):.1f}" for r in runs]),
         ("out_norm w equal on TP ranks", [tp_check_text(r) for r in runs]),
     ]
-    width0 = max(len(k) for k, _ in rows) + 2
-    widths = [max(len(c), *(len(v[i]) for _, v in rows)) + 2 for i, c in enumerate(cols)]
-    lines = [setup, "",
-             " " * width0 + "".join(c.rjust(w) for c, w in zip(cols, widths)),
-             "-" * (width0 + sum(widths))]
-    for key, vals in rows:
-        lines.append(key.ljust(width0) + "".join(v.rjust(w) for v, w in zip(vals, widths)))
-    if len(runs) == 2:
-        a = agreement(runs[0], runs[1])
-        speed = tokens_per_second(runs[1]) / tokens_per_second(runs[0]) - 1.0
-        lines += [
-            "-" * (width0 + sum(widths)),
-            f"loss agreement, flag on - flag off, step by step over {a['steps']} steps:",
-            f"  max |dloss|            {a['max_abs']:.3e}  (step {a['max_abs_step']})",
-            f"  mean |dloss|           {a['mean_abs']:.3e}",
-            f"  max |dloss| / loss     {a['max_rel']:.3e}",
-            f"  final-step dloss       {a['final_delta']:+.3e}",
-            f"  bitwise-equal steps    {a['identical_steps']} / {a['steps']}"
-            + (f"  (first difference at step {a['first_differing_step']})"
-               if a["first_differing_step"] else ""),
-            f"  tokens/s, on vs off    {speed * 100:+.1f} %",
+    lines = [setup, ""] + _table([r["label"] for r in runs], rows)
+    if len(runs) > 1:
+        ref = runs[0]
+        ags = [agreement(ref, r) for r in runs[1:]]
+        rows = [
+            ("max |dloss|", [f"{a['max_abs']:.2e} (step {a['max_abs_step']})" for a in ags]),
+            ("mean |dloss|", [f"{a['mean_abs']:.2e}" for a in ags]),
+            (f"leading steps within {ULP_AGREEMENT} ulp",
+             [f"{a['ulp_agreed_steps']} / {a['steps']}" for a in ags]),
+            ("  max ulps over those", [f"{a['max_ulps_while_agreed']:.1f}" for a in ags]),
+            ("bitwise-equal steps", [f"{a['identical_steps']} / {a['steps']}" for a in ags]),
+            ("final-step dloss", [f"{a['final_delta']:+.2e}" for a in ags]),
+            (f"d({late.split(',')[0]}, last {late.split('last ')[1]})",
+             [f"{a['late_mean_delta']:+.2e}" for a in ags]),
+            ("d(held-out loss)", [_f(a["held_out_delta"], "+.2e") for a in ags]),
+            ("tokens/s vs reference", [f"{(tokens_per_second(r) / tokens_per_second(ref) - 1) * 100:+.1f} %"
+                                       for r in runs[1:]]),
         ]
+        lines += ["", f"step by step against '{ref['label']}' (dloss = loss - reference loss):"]
+        lines += _table([r["label"] for r in runs[1:]], rows)
     return "\n".join(lines)
+
+
+def _file_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
 
 
 def write_csv(path: str, runs: list[dict]) -> None:
@@ -101,16 +135,15 @@ def write_csv(path: str, runs: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         header = ["step"] + [f"loss[{r['label']}]" for r in runs]
+        header += [f"dloss[{r['label']}]" for r in runs[1:]]
         header += [f"step_time_s[{r['label']}]" for r in runs]
-        if len(runs) == 2:
-            header.append("dloss(on-off)")
         w.writerow(header)
         for i in range(n):
             row = [i + 1]
             row += [repr(r["losses"][i]) if i < len(r["losses"]) else "" for r in runs]
+            row += [repr(r["losses"][i] - runs[0]["losses"][i])
+                    if i < min(len(r["losses"]), len(runs[0]["losses"])) else "" for r in runs[1:]]
             row += [f"{r['step_times'][i]:.4f}" if i < len(r["step_times"]) else "" for r in runs]
-            if len(runs) == 2:
-                row.append(repr(runs[1]["losses"][i] - runs[0]["losses"][i]))
             w.writerow(row)
 
 
@@ -120,31 +153,38 @@ def plot(path: str, runs: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    two = len(runs) == 2
-    fig, axes = plt.subplots(2 if two else 1, 1, figsize=(8, 6.5 if two else 4), sharex=True,
-                             gridspec_kw={"height_ratios": [2, 1]} if two else None)
-    ax = axes[0] if two else axes
-    styles = [dict(color="tab:blue", lw=2.2, alpha=0.7), dict(color="tab:orange", lw=1.0, ls="--")]
+    many = len(runs) > 1
+    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(9, 7 if many else 4), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2]} if many else None)
+    ax = axes[0] if many else axes
+    styles = [dict(color="tab:blue", lw=2.4, alpha=0.6),
+              dict(color="tab:orange", lw=1.0, ls="--"),
+              dict(color="0.45", lw=0.8, ls=":")]
     for r, st in zip(runs, styles):
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["label"], **st)
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title(title, fontsize=9)
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
-    if two:
-        a = agreement(runs[0], runs[1])
+    if many:
         ax2 = axes[1]
-        ax2.plot(range(1, a["steps"] + 1), a["deltas"], color="tab:red", lw=1.0)
-        ax2.axhline(0.0, color="k", lw=0.5)
-        ax2.set_ylabel("loss(on) - loss(off)")
-        ax2.set_title(f"max |dloss| = {a['max_abs']:.2e} (step {a['max_abs_step']}), "
-                      f"mean |dloss| = {a['mean_abs']:.2e}, "
-                      f"{a['identical_steps']}/{a['steps']} steps bitwise equal", fontsize=9)
+        ref = runs[0]
+        zero = ulp(min(ref["losses"])) / 8  # where bitwise-equal steps are drawn
+        steps = range(1, len(ref["losses"]) + 1)
+        ax2.plot(steps, [ulp(x) for x in ref["losses"]], color="k", lw=0.6, ls="--",
+                 label="1 fp32 ulp of the loss")
+        for r, st in zip(runs[1:], styles[1:]):
+            a = agreement(ref, r)
+            st = dict(st, ls="-", lw=1.0 if r is runs[1] else 0.8)
+            ax2.plot(range(1, a["steps"] + 1), [max(abs(d), zero) for d in a["deltas"]], label=(
+                f"{r['label']}: max {a['max_abs']:.1e}, first {a['ulp_agreed_steps']} steps "
+                f"within {ULP_AGREEMENT} ulp"), **st)
+        ax2.set_yscale("log")
+        ax2.set_ylim(bottom=zero / 2)
+        ax2.set_ylabel(f"|loss - loss[{ref['label']}]|\n(bottom row: bitwise equal)", fontsize=8)
         ax2.grid(alpha=0.3)
-        lim = max(a["max_abs"], 1e-12) * 1.2
-        ax2.set_ylim(-lim, lim)
-        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    (axes[-1] if two else axes).set_xlabel("step")
+        ax2.legend(fontsize=7, loc="lower right")
+    (axes[-1] if many else axes).set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -154,7 +194,7 @@ def write_outputs(out_dir: str, runs: list[dict], setup: str, title: str) -> str
     """Writes run_<label>.json, losses.csv, summary.txt and loss_curves.png; returns the table."""
     os.makedirs(out_dir, exist_ok=True)
     for r in runs:
-        with open(os.path.join(out_dir, f"run_{r['label'].replace('=', '_')}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"run_{_file_label(r['label'])}.json"), "w") as f:
             json.dump(r, f, indent=1)
     write_csv(os.path.join(out_dir, "losses.csv"), runs)
     table = summary_table(runs, setup)

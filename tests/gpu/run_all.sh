@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every GPU-only check of the project, in stages that each fit one device call (<10 min).
+#   bash tests/gpu/run_all.sh kernels   # tests/fusions on the GPU, kernel + inference checks, benchmark
+#   bash tests/gpu/run_all.sh layer     # GatedDeltaNet with FLA's kernels: 1 GPU, then TP=2 (NCCL)
+#   bash tests/gpu/run_all.sh example   # the pretraining example, flag off vs on, TP=1 (and TP=2)
+# Wheels (megatron-core, fla-core, and triton 3.7.1 for FLA's GDN backward on Hopper) are
+# installed into .site first when .whl/ holds them (see shared/notes/gpu.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/out/gpu}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null && [[ ! -f .site/.installed ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target .site .whl/*.whl && touch .site/.installed
+fi
+export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+status=0
+step() {  # step NAME CMD...: run, keep going, remember failures
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    [[ $rc -eq 0 ]] || status=1
+}
+case "${1:-kernels}" in
+kernels)
+    step pytest_fusions python3 -m pytest -q -p no:cacheprovider tests/fusions
+    step check_kernels python3 tests/gpu/check_kernels.py
+    step check_inference python3 tests/gpu/check_inference.py
+    step benchmark python3 tools/benchmark.py --out "$OUT/benchmark"
+    ;;
+layer)
+    step check_gdn_layer python3 tests/gpu/check_gdn_layer.py
+    if [[ $ngpu -ge 2 ]]; then
+        step check_gdn_layer_tp2 torchrun --nproc-per-node 2 tests/gpu/check_gdn_layer.py --tp 2
+    fi
+    ;;
+example)
+    step example_tp1 python3 examples/pretrain_gdn.py --compare --no-progress --out "$OUT/example_tp1" ${EXAMPLE_ARGS:-}
+    if [[ $ngpu -ge 2 ]]; then
+        step example_tp2 python3 examples/pretrain_gdn.py --compare --no-progress --tp 2 --sequence-parallel --recompute-norm --out "$OUT/example_tp2" ${EXAMPLE_ARGS:-}
+    fi
+    ;;
+esac
+exit $status

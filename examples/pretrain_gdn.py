@@ -73,15 +73,22 @@ SIZES = {
 # ----------------------------------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)" where the help says it
+        if action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     g = p.add_argument_group("the fusion")
     g.add_argument("--fused-gated-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="TransformerConfig.fused_gated_norm: the fused GDN output gated norm")
     g.add_argument("--compare", action="store_true",
-                   help="train twice, flag off then on, same data and seed; table + PNG")
+                   help="train with the flag off, then on (then the noise-floor run), same data "
+                        "and seed; summary table + PNG")
     g.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compare, a third run: flag off with the GDN out_norm weights "
                         "nudged by one ulp, to show how far any last-bit change drifts")
@@ -386,12 +393,7 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     tokens_per_step = args.seq_length * args.micro_batch_size * args.num_micro_batches * dp_size
 
     losses, step_times, grad_norms, lrs, tp_diffs = [], [], [], [], []
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc=label, dynamic_ncols=True, mininterval=0.5,
-                   file=sys.stdout)
+    bar = _progress_bar(args, label) if rank == 0 and not args.no_progress else None
     model.train()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -455,6 +457,35 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     if HAS_CUDA:
         torch.cuda.empty_cache()
     return result
+
+
+class _PlainProgress:
+    """Stand-in for tqdm when it is not installed: a line every 10 % of the steps."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, {}
+        self.every = max(1, total // 10)
+
+    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
+        self.postfix = postfix
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            extra = ", ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"{self.desc}: step {self.n}/{self.total} {extra}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(args: argparse.Namespace, label: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(args.steps, label)
+    return tqdm(total=args.steps, desc=label, dynamic_ncols=True, mininterval=0.5,
+                file=sys.stdout)
 
 
 @torch.no_grad()

@@ -200,5 +200,8 @@ def write_outputs(out_dir: str, runs: list[dict], setup: str, title: str) -> str
     table = summary_table(runs, setup)
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(table + "\n")
-    plot(os.path.join(out_dir, "loss_curves.png"), runs, title)
+    try:
+        plot(os.path.join(out_dir, "loss_curves.png"), runs, title)
+    except ImportError:
+        print("matplotlib is not installed: no loss_curves.png (losses.csv has the numbers)")
     return table

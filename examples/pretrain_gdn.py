@@ -37,6 +37,8 @@ import warnings
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# As megatron's launch scripts do (ordering of TP/SP communication and compute kernels).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 if not HAS_CUDA:
     # Must happen before the first `import triton` anywhere (core.fusions, FLA, megatron).
     os.environ.setdefault("TRITON_INTERPRET", "1")

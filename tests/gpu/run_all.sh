@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU-only check of the project, in stages that each fit one device call (<10 min).
-#   bash tests/gpu/run_all.sh kernels   # tests/fusions on the GPU, kernel + inference checks, benchmark
+#   bash tests/gpu/run_all.sh kernels   # kernel + inference checks, tests/fusions on the GPU
+#   bash tests/gpu/run_all.sh bench     # tools/benchmark.py
 #   bash tests/gpu/run_all.sh layer     # GatedDeltaNet with FLA's kernels: 1 GPU, then TP=2 (NCCL)
 #   bash tests/gpu/run_all.sh example   # the pretraining example, flag off vs on, TP=1 (and TP=2)
+# Several stages may be named in one call; STEP_TIMEOUT (s) bounds each step.
 # Wheels (megatron-core, fla-core, and triton 3.7.1 for FLA's GDN backward on Hopper) are
 # installed into .site first when .whl/ holds them (see shared/notes/gpu.md).
 set -uo pipefail
@@ -21,18 +23,21 @@ step() {  # step NAME CMD...: run, keep going, remember failures
     local name=$1; shift
     echo "=== $name: $*"
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout "${STEP_TIMEOUT:-590}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 25 "$OUT/$name.log"
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
     [[ $rc -eq 0 ]] || status=1
 }
-case "${1:-kernels}" in
+for stage in "${@:-kernels}"; do
+case "$stage" in
 kernels)
-    step pytest_fusions python3 -m pytest -q -p no:cacheprovider tests/fusions
     step check_kernels python3 tests/gpu/check_kernels.py
     step check_inference python3 tests/gpu/check_inference.py
-    step benchmark python3 tools/benchmark.py --out "$OUT/benchmark"
+    step pytest_fusions python3 -m pytest -q -p no:cacheprovider tests/fusions
+    ;;
+bench)
+    step benchmark python3 tools/benchmark.py --out "$OUT/benchmark" ${BENCH_ARGS:-}
     ;;
 layer)
     step check_gdn_layer python3 tests/gpu/check_gdn_layer.py
@@ -46,5 +51,9 @@ example)
         step example_tp2 python3 examples/pretrain_gdn.py --compare --no-progress --tp 2 --sequence-parallel --recompute-norm --out "$OUT/example_tp2" ${EXAMPLE_ARGS:-}
     fi
     ;;
+*)
+    echo "unknown stage $stage"; status=1
+    ;;
 esac
+done
 exit $status

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compare, a third run: flag off with the GDN out_norm weights "
                         "nudged by one ulp, to show how far any last-bit change drifts")
+    g.add_argument("--paired-check-every", type=int, default=25,
+                   help="with --compare: every N steps of the flag-off run, also run the step's "
+                        "forward/backward with the fused path on the SAME weights and batch and "
+                        "record the loss and gradient differences (0: never)")
     g.add_argument("--recompute-norm", action="store_true",
                    help="selective recompute of the GDN output norm "
                         "(recompute_granularity='selective', recompute_modules=['gdn_norm_out'])")
@@ -349,6 +353,69 @@ def loss_of(output: torch.Tensor, batch) -> torch.Tensor:
     return (output.float() * mask).sum() / mask.sum()
 
 
+def gdn_modules(model) -> list:
+    from core.ssm.gated_delta_net import GatedDeltaNet
+
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def forward_backward(model, optimizer, micro) -> torch.Tensor:
+    """Forward and backward of one step's micro-batches into DDP's grad buffers (the grads are
+    finalized by the caller); returns the mean loss (detached)."""
+    step_loss = None
+    for i, b in enumerate(micro):
+        sync_ctx = model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+        with sync_ctx:
+            output = model(b.tokens, b.position_ids, None, labels=b.labels)
+            loss = loss_of(output, b)
+            part = loss.detach() / len(micro)
+            step_loss = part if step_loss is None else step_loss + part
+            optimizer.scale_loss(loss / len(micro)).backward()
+    return step_loss
+
+
+def paired_check(model, optimizer, micro) -> dict:
+    """Same weights, same batch: loss and finalized grads with the GDN output norm unfused and
+    fused (the modules' switch is flipped for this one step and restored). Leaves the grad
+    buffers zeroed. Returns the loss difference and ||g_on - g_off|| / ||g_off|| over all
+    parameters (all ranks), plus the same for the out_norm weights alone."""
+    from megatron.core.distributed import finalize_model_grads
+
+    modules = gdn_modules(model)
+    saved = [m.fused_gated_norm for m in modules]
+    losses, grads = [], []
+    try:
+        for fused in (False, True):
+            for m in modules:
+                m.fused_gated_norm = fused
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses.append(float(forward_backward(model, optimizer, micro)))
+            finalize_model_grads([model])
+            grads.append({n: p.main_grad.detach().float().clone()
+                          for n, p in model.named_parameters() if p.requires_grad})
+    finally:
+        for m, f in zip(modules, saved):
+            m.fused_gated_norm = f
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    off, on = grads
+    dev = next(iter(off.values())).device
+    sums = torch.zeros(4, dtype=torch.float64, device=dev)
+    for n in off:
+        d2, g2 = (on[n] - off[n]).double().square().sum(), off[n].double().square().sum()
+        sums[0] += d2
+        sums[1] += g2
+        if ".out_norm." in n:
+            sums[2] += d2
+            sums[3] += g2
+    # Replicated parameters are counted once per rank: fine for a ratio.
+    torch.distributed.all_reduce(sums)
+    return {"dloss": losses[1] - losses[0], "loss_off": losses[0],
+            "grad_rel": float((sums[0] / sums[1].clamp_min(1e-300)).sqrt()),
+            "out_norm_grad_rel": float((sums[2] / sums[3].clamp_min(1e-300)).sqrt())}
+
+
 def nudge_out_norm_weights(model) -> None:
     """Moves every GDN out_norm weight up by one ulp of its dtype (1.0 -> 1.0000001 in fp32,
     1.0078125 in bf16): a last-bit perturbation at the place the fusion touches."""
@@ -358,9 +425,10 @@ def nudge_out_norm_weights(model) -> None:
 
 
 def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int,
-              nudge: bool = False) -> dict:
+              nudge: bool = False, paired_every: int = 0) -> dict:
     """Builds the model from scratch (same seed every time) and trains ``args.steps`` steps.
-    nudge: perturb the out_norm weights by one ulp before training (the noise-floor run)."""
+    nudge: perturb the out_norm weights by one ulp before training (the noise-floor run).
+    paired_every: every N steps, run :func:`paired_check` on the step's weights and batch first."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -394,22 +462,17 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
         seed=args.seed, device=device)
     tokens_per_step = args.seq_length * args.micro_batch_size * args.num_micro_batches * dp_size
 
-    losses, step_times, grad_norms, lrs, tp_diffs = [], [], [], [], []
+    losses, step_times, grad_norms, lrs, tp_diffs, paired = [], [], [], [], [], []
     bar = _progress_bar(args, label) if rank == 0 and not args.no_progress else None
     model.train()
     for step in range(1, args.steps + 1):
+        micro = next(batches)
+        if paired_every and (step == 1 or step % paired_every == 0):
+            paired.append(dict(step=step, **paired_check(model, optimizer, micro)))
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        micro = next(batches)
-        step_loss = torch.zeros((), dtype=torch.float32, device=device)
-        for i, b in enumerate(micro):
-            sync_ctx = model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
-            with sync_ctx:
-                output = model(b.tokens, b.position_ids, None, labels=b.labels)
-                loss = loss_of(output, b)
-                step_loss += loss.detach() / len(micro)
-                optimizer.scale_loss(loss / len(micro)).backward()
+        step_loss = forward_backward(model, optimizer, micro)
         finalize_model_grads([model])  # DP all-reduce, TP reduction of replicated norm grads
         with _cpu_optimizer_context():
             update_ok, grad_norm, _ = optimizer.step()
@@ -451,6 +514,7 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
         "tokens_per_step": tokens_per_step,
         "held_out_loss": held_out_loss,
         "tp_out_norm_max_diff": tp_diffs if tp > 1 else None,
+        "paired_checks": paired,
         "args": {k: v for k, v in vars(args).items()},
         "world_size": world_size,
     }
@@ -545,16 +609,18 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
         print(setup, flush=True)
 
     if args.compare:
-        plan = [("fused_gated_norm=off", False, False), ("fused_gated_norm=on", True, False)]
+        plan = [("fused_gated_norm=off", False, False, args.paired_check_every),
+                ("fused_gated_norm=on", True, False, 0)]
         if args.noise_floor:
-            plan.append(("off, out_norm w +1ulp", False, True))
+            plan.append(("off, out_norm w +1ulp", False, True, 0))
     else:
         plan = [(f"fused_gated_norm={'on' if args.fused_gated_norm else 'off'}",
-                 args.fused_gated_norm, False)]
+                 args.fused_gated_norm, False, 0)]
     runs = []
     try:
-        for label, fused, nudge in plan:
-            runs.append(train_one(args, fused, label, world_size, nudge=nudge))
+        for label, fused, nudge, paired_every in plan:
+            runs.append(train_one(args, fused, label, world_size, nudge=nudge,
+                                  paired_every=paired_every))
         if rank == 0:
             title = "examples/pretrain_gdn.py: " + setup
             table = pretrain_report.write_outputs(args.out, runs, setup, _wrap(title, 110))

@@ -123,6 +123,21 @@ def summary_table(runs: list[dict], setup: str) -> str:
         ]
         lines += ["", f"step by step against '{ref['label']}' (dloss = loss - reference loss):"]
         lines += _table([r["label"] for r in runs[1:]], rows)
+    checks = runs[0].get("paired_checks") or []
+    if checks:
+        worst = max(checks, key=lambda c: abs(c["dloss"]))
+        ulps = max(abs(c["dloss"]) / ulp(c["loss_off"]) for c in checks)
+        lines += [
+            "",
+            f"same weights, same batch (steps {', '.join(str(c['step']) for c in checks)} of "
+            f"'{runs[0]['label']}', fused path switched on for that step's forward/backward):",
+            f"  max |loss(on) - loss(off)|          {abs(worst['dloss']):.2e} ({ulps:.1f} ulp), "
+            f"{sum(1 for c in checks if c['dloss'] == 0.0)} / {len(checks)} bitwise equal",
+            f"  max ||grad(on) - grad(off)|| / ||grad(off)||, all params    "
+            f"{max(c['grad_rel'] for c in checks):.2e}",
+            f"  max ||grad(on) - grad(off)|| / ||grad(off)||, GDN out_norm  "
+            f"{max(c['out_norm_grad_rel'] for c in checks):.2e}",
+        ]
     return "\n".join(lines)
 
 
@@ -179,6 +194,11 @@ def plot(path: str, runs: list[dict], title: str) -> None:
             ax2.plot(range(1, a["steps"] + 1), [max(abs(d), zero) for d in a["deltas"]], label=(
                 f"{r['label']}: max {a['max_abs']:.1e}, first {a['ulp_agreed_steps']} steps "
                 f"within {ULP_AGREEMENT} ulp"), **st)
+        checks = ref.get("paired_checks") or []
+        if checks:
+            ax2.plot([c["step"] for c in checks], [max(abs(c["dloss"]), zero) for c in checks],
+                     "o", color="tab:green", ms=4,
+                     label="same weights & batch, fused vs unfused (paired check)")
         ax2.set_yscale("log")
         ax2.set_ylim(bottom=zero / 2)
         ax2.set_ylabel(f"|loss - loss[{ref['label']}]|\n(bottom row: bitwise equal)", fontsize=8)

@@ -1,7 +1,9 @@
 """examples/pretrain_gdn.py end to end on tiny settings: megatron GPTModel + DDP + optimizer,
 flag off then on (``--compare``), in a subprocess (the CPU shims patch torch and megatron
 process-wide). Checks: finite losses that go down, the two runs agree per the numerics
-contract, outputs written, and at TP = 2 the GDN out_norm weight identical on both ranks."""
+contract step by step, the paired check (same weights, fused vs unfused) gives the same loss and
+gradients to fp32 rounding, outputs written, and at TP = 2 the GDN out_norm weight identical on
+both ranks after every step."""
 
 import json
 import math
@@ -20,6 +22,8 @@ TINY = ["--hidden-size", "32", "--num-layers", "2", "--linear-attention-freq", "
 # fp32: the fused kernel differs from megatron's unfused norm only in the fp32 summation order of
 # mean(x^2), so over a few steps the losses agree to a few fp32 ulps (measured: 0 or 1).
 MAX_ULPS_FP32 = 8
+# Paired check (same weights and batch, fused vs unfused): fp32 gradients agree to rounding.
+MAX_GRAD_REL_FP32 = 1e-5
 
 
 def _ulp(x: float) -> float:
@@ -27,7 +31,8 @@ def _ulp(x: float) -> float:
 
 
 def _run(out, *extra):
-    cmd = [sys.executable, SCRIPT, "--compare", "--out", str(out), *TINY, *extra]
+    cmd = [sys.executable, SCRIPT, "--compare", "--paired-check-every", "1", "--out", str(out),
+           *TINY, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = []
@@ -49,6 +54,11 @@ def _check_agreement(off, on, steps):
         assert 4.0 < run["losses"][0] < 6.5  # ~ln(256) at init
     for step, (a, b) in enumerate(zip(off["losses"], on["losses"]), 1):
         assert abs(a - b) <= MAX_ULPS_FP32 * _ulp(a), (step, a, b)
+    checks = off["paired_checks"]
+    assert [c["step"] for c in checks] == list(range(1, steps + 1))
+    for c in checks:
+        assert abs(c["dloss"]) <= MAX_ULPS_FP32 * _ulp(c["loss_off"]), c
+        assert c["grad_rel"] <= MAX_GRAD_REL_FP32 and c["out_norm_grad_rel"] <= MAX_GRAD_REL_FP32, c
 
 
 def test_compare_tp1(tmp_path):

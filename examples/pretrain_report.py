@@ -203,7 +203,7 @@ def plot(path: str, runs: list[dict], title: str) -> None:
         ax2.set_ylim(bottom=zero / 2)
         ax2.set_ylabel(f"|loss - loss[{ref['label']}]|\n(bottom row: bitwise equal)", fontsize=8)
         ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=7, loc="lower right")
+        ax2.legend(fontsize=7, loc="upper left")
     (axes[-1] if many else axes).set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

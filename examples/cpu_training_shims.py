@@ -23,7 +23,7 @@ And one for speed: the query/key L2 norm of megatron's GatedDeltaNet calls FLA's
 training step at the default CPU size); :func:`install_cpu_training_shims` points megatron at
 the same formula in torch (fp32 math, then the input dtype). It is the same in the flag-on and
 flag-off runs; the kernel under test (the fused gated norm) still runs in the interpreter, with
-launch parameters sized for it (big blocks, two programs; see ``_install_interpreter_launch``).
+the interpreter's launch parameters from ``core.fusions.gated_norm_launch``.
 """
 
 from __future__ import annotations
@@ -120,38 +120,6 @@ def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype=None) -> torc
     return y.to(output_dtype or x.dtype)
 
 
-# Triton-interpreter launch of the fused gated norm: the interpreter pays per program and per
-# loop iteration, not per element, so big blocks (numpy arrays of 32k elements) and two
-# programs are ~10x faster than the GPU heuristics (1024 elements per block). Numerics are the
-# same: rows are independent, and dW is still a fixed-order fp32 sum of per-program partials.
-CPU_ELEMENTS_PER_BLOCK = 32768
-CPU_BACKWARD_PROGRAMS = 2
-
-
-def _install_interpreter_launch() -> None:
-    import triton
-
-    # (core.fusions re-exports the *function* fused_gated_norm under the module's name)
-    fgn = importlib.import_module("core.fusions.fused_gated_norm")
-    launch = importlib.import_module("core.fusions.gated_norm_launch")
-
-    def forward_launch(rows, dim, device):
-        cfg = launch.forward_launch(rows, dim, device)
-        if device.type != "cpu":
-            return cfg
-        return cfg._replace(bt=max(1, CPU_ELEMENTS_PER_BLOCK // triton.next_power_of_2(dim)))
-
-    def backward_launch(rows, dim, device):
-        cfg = launch.backward_launch(rows, dim, device)
-        if device.type != "cpu":
-            return cfg
-        return cfg._replace(bt=max(1, CPU_ELEMENTS_PER_BLOCK // triton.next_power_of_2(dim)),
-                            max_programs=CPU_BACKWARD_PROGRAMS)
-
-    fgn.forward_launch = forward_launch
-    fgn.backward_launch = backward_launch
-
-
 _INSTALLED = False
 
 
@@ -167,7 +135,6 @@ def install_cpu_training_shims() -> None:
             mod.torch = proxy
     gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn_common.l2norm = _torch_l2norm
-    _install_interpreter_launch()
     _INSTALLED = True
 
 

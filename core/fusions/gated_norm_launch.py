@@ -52,8 +52,22 @@ BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
 
 
+# CPU (Triton interpreter): every program is emulated in Python with numpy over whole blocks, so
+# a few big blocks are fastest (a training step of the CPU example: 0.58 s -> 0.03 s per
+# forward). Rows are independent and dW stays a fixed-order sum of per-program partials.
+INTERPRETER_ELEMENTS_PER_BLOCK = 32768
+INTERPRETER_PROGRAMS = 2
+
+
 def _warps(elements: int, per_thread: int) -> int:
     return max(1, min(8, elements // (32 * per_thread)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _interpreter(dim: int) -> BackwardLaunch:
+    block_d = triton.next_power_of_2(dim)
+    return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,
+                          INTERPRETER_PROGRAMS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -74,9 +88,13 @@ def _backward(dim: int, sms: int) -> BackwardLaunch:
 
 def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:
     """Launch parameters of gated_norm_fwd; ``rows`` only sizes the grid (at the call site)."""
+    if device.type == "cpu":
+        return ForwardLaunch(*_interpreter(dim))
     return _forward(dim, sm_count(device))
 
 
 def backward_launch(rows: int, dim: int, device: torch.device) -> BackwardLaunch:
     """Launch parameters of gated_norm_bwd; ``rows`` only sizes the grid (at the call site)."""
+    if device.type == "cpu":
+        return _interpreter(dim)
     return _backward(dim, sm_count(device))

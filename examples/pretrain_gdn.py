@@ -11,10 +11,10 @@ layers), ``Float16Module`` for bf16, ``DistributedDataParallel``, ``get_megatron
 step. Data: the byte-tokenised corpus under examples/data (nothing is downloaded).
 
 Without a GPU it runs on the CPU: Triton kernels in the interpreter (TRITON_INTERPRET=1, set
-below before anything imports triton), the no-GPU shims of ``core.testing.cpu`` plus those of
-``examples/cpu_training_shims.py`` (optimizer / DDP), gloo, and ``deterministic_mode=True``
-(megatron's torch chunk path: FLA's chunk kernel does not run in the interpreter). With a GPU:
-NCCL, FLA's kernels and bigger defaults.
+below before anything imports triton), the no-GPU shims of ``core.testing.cpu`` (the one module
+that holds them, layer and training level: ``install_cpu_shims(training=True)``), gloo, and
+``deterministic_mode=True`` (megatron's torch chunk path: FLA's chunk kernel does not run in the
+interpreter). With a GPU: NCCL, FLA's kernels and bigger defaults.
 
 Tensor parallelism: ``--tp N`` spawns N processes (torch.multiprocessing), or run it under
 ``torchrun --nproc-per-node N`` (world size = tp x dp). docs/pretraining.md has the details.
@@ -324,7 +324,7 @@ def build_optimizer(args: argparse.Namespace, model):
 def _cpu_optimizer_context():
     if HAS_CUDA:
         return contextlib.nullcontext()
-    from cpu_training_shims import cpu_tensor_types
+    from core.testing.cpu import cpu_tensor_types
 
     return cpu_tensor_types()
 
@@ -588,10 +588,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     else:
         from core.testing.cpu import install_cpu_shims
 
-        from cpu_training_shims import install_cpu_training_shims
-
-        install_cpu_shims()
-        install_cpu_training_shims()
+        install_cpu_shims(training=True)  # layer + training shims, l2norm speed stand-in
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     import logging
 

@@ -1,14 +1,21 @@
-"""No-GPU shims that let megatron-core 0.19 build and run a GatedDeltaNet layer on the CPU.
+"""THE no-GPU shims of this project: everything that lets megatron-core 0.19 build, run and
+train a GatedDeltaNet model on a machine without CUDA lives in this one module.
 
-Test-side only: the library (``core.*`` outside ``core.testing``) never imports this module.
-Used by the tests and by the CPU pretraining example. Everything here patches megatron-core,
-torch or triton in-process; nothing is written to disk except a file-based rendezvous.
+Test-side only: the library (``core.*`` outside ``core.testing``) never imports this module
+(``grep -rn "core.testing" core/ --include=*.py | grep -v "^core/testing"`` finds nothing).
+Used by the tests and by the CPU pretraining example (examples/pretrain_gdn.py). Everything
+here patches megatron-core, torch or triton in-process; nothing is written to disk except a
+file-based rendezvous.
 
     from core.testing.cpu import install_cpu_shims, init_cpu_model_parallel
-    install_cpu_shims()                       # before importing megatron's gated_delta_net
+    install_cpu_shims()                       # layer level: before importing megatron's GDN
+    install_cpu_shims(training=True)          # + DDP / optimizer / grad clipping / attention
     init_cpu_model_parallel(tp_size=1)        # gloo group + parallel_state + RNG tracker
 
-What is patched (and why), all idempotent:
+    with cpu_tensor_types():                  # while building and stepping megatron's optimizer
+        optimizer.step()
+
+Layer level (``install_cpu_shims()``), all idempotent:
   * ``TRITON_INTERPRET=1`` when there is no CUDA (Triton kernels run in the interpreter).
   * ``torch.cuda.current_device`` -> ``"cpu"``: megatron allocates with
     ``device=torch.cuda.current_device()``.
@@ -24,20 +31,47 @@ What is patched (and why), all idempotent:
     (~20 s); replaced by a storage copy with the same observable result.
   * Triton's autotuner benchmarks through the GPU driver; on the CPU every config gets the
     same time, so the first config is picked.
+
+Training level (``install_cpu_shims(training=True)``, or :func:`install_cpu_training_shims`
+after the layer-level shims). A full training step goes through megatron code that hard-codes
+``device='cuda'`` (``found_inf`` / loss-scale tensors of the mixed-precision optimizer,
+``clip_grads``' norm buffers, the grad buffer's NCCL warm-up, the default causal mask of
+megatron's local attention), waits on CUDA streams, and checks
+``param.type() == 'torch.cuda.FloatTensor'`` (``Float16OptimizerWithFloat16Params``,
+``clip_grads``):
+
+  * in those megatron modules only (:data:`TRAINING_MODULES`), the global name ``torch`` is
+    replaced by a proxy whose tensor factories map ``device='cuda'`` to the CPU and whose
+    ``torch.cuda`` has no-op streams and synchronisation; everything else is the real torch.
+  * :func:`cpu_tensor_types`: a context manager (held while the optimizer is built and while it
+    steps) in which ``Tensor.type()`` of a CPU tensor reports the CUDA type name, so megatron's
+    dtype dispatch picks the same branch as on a GPU.
+
+One speed stand-in, CPU only, not a correctness shim: megatron's GatedDeltaNet normalises
+query/key with FLA's Triton ``l2norm``, which in the interpreter costs ~25 s per training step
+at the example's default CPU size (one Python-emulated program per 8 rows).
+``install_cpu_shims(training=True)`` points megatron at :func:`torch_l2norm`, the same formula
+in torch (fp32 math, then the input dtype). It is not bitwise FLA's kernel, but it is the same
+function in the flag-on and flag-off runs, and the kernel under test (the fused gated norm)
+still runs in the interpreter. Never installed when CUDA is available (FLA's kernel runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
 import logging
 import os
 import sys
 import tempfile
+import types
 from typing import Optional
 
 import torch
 
 _INSTALLED = False
+_TRAINING_INSTALLED = False
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -102,12 +136,21 @@ def _unwrap_compiled(cls) -> None:
             setattr(cls, name, orig)
 
 
-def install_cpu_shims(share_storage_copy: bool = True) -> None:
-    """Install every shim listed in the module docstring. Idempotent; call it before importing
+def install_cpu_shims(share_storage_copy: bool = True, training: bool = False) -> None:
+    """Install the layer-level shims listed in the module docstring (and, with
+    ``training=True``, the training-level ones too). Idempotent; call it before importing
     ``core.ssm`` or megatron's ``gated_delta_net`` (already-imported modules are fixed up too).
 
     share_storage_copy: replace the C++ share-storage helper of CheckpointWithoutOutput with a
-    storage copy (default; avoids a ~20 s compile)."""
+    storage copy (default; avoids a ~20 s compile).
+    training: also :func:`install_cpu_training_shims` (DDP, optimizer, grad clipping, local
+    attention, and the torch l2norm speed stand-in)."""
+    _install_layer_shims(share_storage_copy)
+    if training:
+        install_cpu_training_shims()
+
+
+def _install_layer_shims(share_storage_copy: bool) -> None:
     global _INSTALLED
     if _INSTALLED:
         return
@@ -143,6 +186,139 @@ def install_cpu_shims(share_storage_copy: bool = True) -> None:
 
         autotuner.Autotuner.do_bench = property(_do_bench)
     _INSTALLED = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Training level: megatron's DDP, optimizer, grad clipping, local attention
+# ----------------------------------------------------------------------------------------------
+
+# megatron modules with `device='cuda'` literals (or CUDA stream calls) on the training path.
+TRAINING_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
+              "empty_like", "full_like", "arange")
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return "cpu"
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class _NullStream:
+    """A CUDA stream stand-in: the CPU runs everything in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` with streams, synchronisation and the cache made no-ops."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.Stream = _NullStream
+        self.current_stream = lambda *a, **k: _NullStream()
+        self.default_stream = lambda *a, **k: _NullStream()
+        self.stream = lambda *a, **k: contextlib.nullcontext()
+        self.synchronize = lambda *a, **k: None
+        self.empty_cache = lambda *a, **k: None
+        self.current_device = lambda: "cpu"
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` with ``device='cuda'`` mapped to the CPU in the tensor factories and the stream
+    API of ``torch.cuda`` made no-ops."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            def factory(*args, _f=value, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return _f(*args, **kwargs)
+
+            return factory
+        return value
+
+
+def torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
+    """CPU speed stand-in for FLA's Triton ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` over the last
+    dim, fp32 math, result in ``output_dtype`` (default: x's dtype). Same formula as FLA's
+    kernel, not bitwise the kernel (see the module docstring)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+def install_cpu_training_shims() -> None:
+    """The training-level shims of the module docstring (installs the layer-level ones first if
+    needed). Idempotent; a no-op when CUDA is available. Call before building the model."""
+    global _TRAINING_INSTALLED
+    if _TRAINING_INSTALLED or torch.cuda.is_available():
+        return
+    _install_layer_shims(share_storage_copy=True)
+    proxy = _CpuTorch()
+    for name in TRAINING_MODULES:
+        mod = importlib.import_module(name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
+    gdn_common.l2norm = torch_l2norm  # the CPU speed stand-in (module docstring)
+    _TRAINING_INSTALLED = True
+
+
+@contextlib.contextmanager
+def cpu_tensor_types():
+    """``Tensor.type()`` (no arguments) of a CPU float tensor returns the CUDA type name."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda.") and self.device.type == "cpu":
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+# ----------------------------------------------------------------------------------------------
+# Process group
+# ----------------------------------------------------------------------------------------------
 
 
 def init_cpu_model_parallel(

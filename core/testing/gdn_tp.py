@@ -1,11 +1,22 @@
 """Tensor-parallel check of the GDN output-norm weight gradient (test-side only).
 
-The TP=1 reference (weights, inputs, output and out_norm dW) is computed once and saved; each TP
-rank then loads its shard, runs forward + backward with sequence parallelism on or off, with or
-without a DDP-style fp32 ``main_grad``, calls the STOCK
-``megatron.core.distributed.finalize_model_grads`` and saves what it got. Used by
-tests/ssm/test_gdn_tensor_parallel.py (gloo, CPU, two spawned processes) and by
-tests/gpu/check_gdn_layer.py (NCCL under torchrun).
+What a Megatron training step does, on one GatedDeltaNet layer: the module is wrapped in
+megatron's real ``megatron.core.distributed.DistributedDataParallel`` (``use_distributed_optimizer
+=False``, ``overlap_grad_reduce=False``, with and without ``grad_reduce_in_fp32``), forward +
+backward fill DDP's ``main_grad`` buffers, then the STOCK
+``megatron.core.distributed.finalize_model_grads([ddp_model])`` runs (DP all-reduce, then the
+TP reduction of the non-tensor-parallel grads, where the out_norm weight's partial dW is
+reduced).
+
+The TP=1 reference (weights, inputs, output and out_norm dW, through the same DDP wrapper and
+finalize) is computed once per (fused, dtype, grad_reduce_in_fp32) and saved; each TP rank then
+loads its shard, runs the same step with sequence parallelism on or off and saves what it got:
+the out_norm ``main_grad`` before and after finalize, the layer output.
+
+Used by tests/ssm/test_gdn_tensor_parallel.py (gloo, CPU, TP = 2 and 4 spawned processes) and by
+tests/gpu/check_gdn_layer.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
+training-level shims of ``core.testing.cpu`` (``install_cpu_shims(training=True)``): its grad
+buffer waits on CUDA streams.
 """
 
 from __future__ import annotations
@@ -16,70 +27,101 @@ from typing import Iterable
 
 import torch
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# fp32 params: DDP's main_grad is fp32 either way (grad_reduce_in_fp32 only changes the config
+# path). bf16 params: main_grad is fp32 with grad_reduce_in_fp32, bf16 (the param dtype) without.
+DDP_VARIANTS = (("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False))
+
 CASES = tuple(
-    dict(fused=f, sequence_parallel=sp, main_grad=mg)
-    for f, sp, mg in itertools.product((True, False), (False, True), (False, True))
+    dict(fused=f, sequence_parallel=sp, dtype=dt, grad_reduce_in_fp32=g32)
+    for f, sp, (dt, g32) in itertools.product((True, False), (False, True), DDP_VARIANTS)
 )
+
+# Layer sizes whose heads split over TP = 1, 2, 4 and 8 ranks (key heads % tp == 0 and value
+# heads % key heads == 0 are megatron's rules): 8 key heads, 16 value heads (2 per rank at TP 8).
+TP_OVERRIDES = dict(hidden_size=64, num_key_heads=8, num_value_heads=16, key_head_dim=8,
+                    value_head_dim=8, num_attention_heads=8)
 
 
 def case_name(case: dict) -> str:
     return (f"{'fused' if case['fused'] else 'unfused'}-sp{int(case['sequence_parallel'])}"
-            f"-maingrad{int(case['main_grad'])}")
+            f"-{case['dtype']}-gradfp32{int(case['grad_reduce_in_fp32'])}")
 
 
-class DDPStandIn(torch.nn.Module):
-    """The slice of megatron's DistributedDataParallel that finalize_model_grads touches, for one
-    data-parallel rank: ``ddp_config``, ``finish_grad_sync`` (a no-op at DP=1) and, with
-    ``main_grad=True``, fp32 ``param.main_grad`` buffers filled from ``param.grad`` by a
-    post-accumulate hook that then drops ``.grad`` (what megatron's DDP does)."""
+def ref_key(case: dict) -> tuple:
+    return (case["fused"], case["dtype"], case["grad_reduce_in_fp32"])
 
-    def __init__(self, module: torch.nn.Module, main_grad: bool):
-        super().__init__()
-        from megatron.core.distributed import DistributedDataParallelConfig
 
-        self.module = module
-        self.config = module.config
-        self.ddp_config = DistributedDataParallelConfig()
-        if main_grad:
-            for p in module.parameters():
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+def tolerance(case: dict) -> float:
+    """Relative tolerance of the TP dW against the TP=1 dW. fp32: rounding of a different
+    summation order (partial sums over the heads of each rank, then the all-reduce). bf16: each
+    rank's partial dW is rounded to bf16 by autograd (param.grad is bf16) before DDP adds it to
+    main_grad, where TP=1 rounds the full sum once: about one bf16 ulp of the largest element
+    (2^-8 = 3.9e-3 relative; measured on the CPU at TP 2 and 4: <= 1.8e-3). Twice the gradient
+    (reduced twice) or a partial one is off by >= 0.5."""
+    return 1e-5 if case["dtype"] == "fp32" else 8e-3
 
-                def hook(param):
-                    param.main_grad.add_(param.grad)
-                    param.grad = None
 
-                p.register_post_accumulate_grad_hook(hook)
+def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| / max |expected| (float64)."""
+    got, expected = got.double().cpu(), expected.double().cpu()
+    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
-    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        pass
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool):
+    """megatron's DistributedDataParallel around ``module``, as a training script builds it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+
+
+def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """DDP wrap, zero grad buffer, forward, backward, stock finalize_model_grads."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model = wrap_ddp(module, grad_reduce_in_fp32)
+    model.zero_grad_buffer()
+    out = model(x.contiguous(), attention_mask=None)[0]
+    out.backward(dy.contiguous())
+    weight = module.out_norm.weight
+    before = weight.main_grad.detach().clone()
+    finalize_model_grads([model])
+    return dict(
+        out=out.detach().float().cpu(), before=before.float().cpu(),
+        after=weight.main_grad.detach().clone().cpu(),
+        main_grad_dtype=str(weight.main_grad.dtype), grad_is_none=weight.grad is None,
+    )
 
 
 def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dict] = CASES,
                    **config_overrides) -> None:
-    """TP=1 run (parallel_state already initialised with TP=1): saves to ``path`` the weights,
-    inputs, output and out_norm weight grad, per value of the fused flag."""
+    """TP=1 run (parallel_state already initialised with TP=1): saves to ``path``, per
+    :func:`ref_key`, the weights, inputs, output and out_norm dW (DDP main_grad after the stock
+    finalize_model_grads). ``seq`` must be divisible by the TP sizes checked with SP on."""
     from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights
 
-    gen = torch.Generator().manual_seed(3)
     ref = {}
-    for fused in sorted({c["fused"] for c in cases}):
-        config = gdn_config(params_dtype=torch.float32, fused_gated_norm=fused, **config_overrides)
+    for key in sorted({ref_key(c) for c in cases}):
+        fused, dtype_name, g32 = key
+        dtype = DTYPES[dtype_name]
+        config = gdn_config(params_dtype=dtype, fused_gated_norm=fused, **config_overrides)
         module = build_gdn_module(config, seed=99)
         randomize_norm_weights(module)
         device = module.out_norm.weight.device
-        x = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device)
-        dy = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device)
-        out = module(x, attention_mask=None)[0]
-        out.backward(dy)
-        ref[fused] = dict(
-            state={k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                   for k, v in module.state_dict().items()},
-            x=x.cpu(), dy=dy.cpu(), out=out.detach().cpu(),
-            dw=module.out_norm.weight.grad.detach().cpu().clone(),
-        )
+        gen = torch.Generator().manual_seed(3)  # same inputs for every key
+        x = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
+        dy = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
+        state = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                 for k, v in module.state_dict().items()}
+        res = _step(module, g32, x, dy)
+        ref[key] = dict(state=state, x=x.cpu(), dy=dy.cpu(), out=res["out"], dw=res["after"],
+                        main_grad_dtype=res["main_grad_dtype"])
     torch.save({"ref": ref, "overrides": config_overrides}, path)
 
 
@@ -87,45 +129,35 @@ def run_rank(rank: int, tp_size: int, ref_path: str, out_path: str,
              cases: Iterable[dict] = CASES) -> dict:
     """One TP rank (parallel_state initialised with ``tp_size``): every case, results saved to
     ``out_path`` (and returned)."""
-    from megatron.core.distributed import finalize_model_grads
-
     from core.testing.gdn import build_gdn_module, gdn_config, shard_gdn_state_dict
 
     saved = torch.load(ref_path, weights_only=False)
     results = {}
     for case in cases:
-        ref = saved["ref"][case["fused"]]
+        ref = saved["ref"][ref_key(case)]
         config = gdn_config(
-            params_dtype=torch.float32, fused_gated_norm=case["fused"],
+            params_dtype=DTYPES[case["dtype"]], fused_gated_norm=case["fused"],
             tensor_model_parallel_size=tp_size, sequence_parallel=case["sequence_parallel"],
             **saved["overrides"],
         )
         module = build_gdn_module(config, seed=99)
         module.load_state_dict(shard_gdn_state_dict(ref["state"], config, rank, tp_size))
         device = module.out_norm.weight.device
-        chunk = DDPStandIn(module, case["main_grad"])
         x, dy = ref["x"].to(device), ref["dy"].to(device)
         if case["sequence_parallel"]:
             x, dy = x.chunk(tp_size, dim=0)[rank], dy.chunk(tp_size, dim=0)[rank]
-        out = chunk(x.contiguous(), attention_mask=None)[0]
-        out.backward(dy.contiguous())
-        weight = module.out_norm.weight
-        grad_attr = "main_grad" if case["main_grad"] else "grad"
-        before = getattr(weight, grad_attr).detach().clone()
-        finalize_model_grads([chunk])
-        results[case_name(case)] = dict(
-            out=out.detach().cpu(), before=before.cpu(),
-            after=getattr(weight, grad_attr).detach().clone().cpu(),
-            grad_is_none=weight.grad is None,
-        )
+        results[case_name(case)] = _step(module, case["grad_reduce_in_fp32"], x, dy)
     torch.save(results, out_path)
     return results
 
 
 def spawn_worker(rank: int, tp_size: int, init_file: str, ref_path: str, out_dir: str) -> None:
     """torch.multiprocessing.spawn entry: gloo on the CPU."""
-    from core.testing.cpu import destroy_cpu_model_parallel, init_cpu_model_parallel
+    from core.testing.cpu import (destroy_cpu_model_parallel, init_cpu_model_parallel,
+                                  install_cpu_shims)
 
+    install_cpu_shims(training=True)  # megatron's DDP grad buffer on the CPU
+    torch.set_num_threads(1)  # several ranks share few cores
     init_cpu_model_parallel(tp_size=tp_size, rank=rank, world_size=tp_size, init_file=init_file)
     try:
         run_rank(rank, tp_size, ref_path, os.path.join(out_dir, f"rank{rank}.pt"))

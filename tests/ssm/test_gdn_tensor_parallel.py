@@ -1,10 +1,12 @@
-"""TP = 2 on gloo (two spawned processes): after the stock finalize_model_grads, the GDN
-out_norm weight gradient equals the TP = 1 gradient on every rank, with sequence parallelism on
-and off, with and without DDP-style fp32 main_grad, fused and unfused paths."""
+"""TP = 2 and TP = 4 on gloo (spawned CPU processes): one GatedDeltaNet layer wrapped in
+megatron's real DistributedDataParallel (grad_reduce_in_fp32 on and off; fp32 and bf16 params,
+so main_grad is fp32 or bf16), then the stock finalize_model_grads. The out_norm weight gradient
+(DDP's main_grad) equals the TP = 1 gradient on every rank and is bitwise identical across the
+ranks, with sequence parallelism on and off, fused and unfused paths."""
 
 from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 
-install_cpu_shims()
+install_cpu_shims(training=True)
 
 import os  # noqa: E402
 
@@ -12,50 +14,69 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from core.testing.gdn_tp import CASES, case_name, make_reference, spawn_worker  # noqa: E402
+from core.testing.gdn_tp import (CASES, TP_OVERRIDES, case_name, make_reference,  # noqa: E402
+                                 ref_key, rel_err, spawn_worker, tolerance)
 
-TP = 2
+TP_SIZES = (2, 4)
+SEQ = 24  # divisible by every TP size (sequence parallelism splits it)
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gdn_tp")
+def reference(tmp_path_factory):
+    """TP = 1 reference, shared by the TP sizes (the layer sizes split over TP 1, 2, 4, 8)."""
+    tmp = tmp_path_factory.mktemp("gdn_tp_ref")
     init_cpu_model_parallel(tp_size=1)
     ref_path = str(tmp / "ref.pt")
-    make_reference(ref_path)
-    mp.spawn(spawn_worker, args=(TP, str(tmp / "rdv"), ref_path, str(tmp)), nprocs=TP, join=True)
-    ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(TP)]
-    return torch.load(ref_path, weights_only=False)["ref"], ranks
+    make_reference(ref_path, seq=SEQ, **TP_OVERRIDES)
+    return ref_path, torch.load(ref_path, weights_only=False)["ref"]
+
+
+@pytest.fixture(scope="module", params=TP_SIZES, ids=[f"tp{t}" for t in TP_SIZES])
+def tp_results(request, reference, tmp_path_factory):
+    tp = request.param
+    ref_path, ref = reference
+    tmp = tmp_path_factory.mktemp(f"gdn_tp{tp}")
+    mp.spawn(spawn_worker, args=(tp, str(tmp / "rdv"), ref_path, str(tmp)), nprocs=tp, join=True)
+    ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(tp)]
+    return tp, ref, ranks
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(c) for c in CASES])
 def test_out_norm_grad_matches_tp1_on_every_rank(tp_results, case):
-    ref, ranks = tp_results
+    tp, ref, ranks = tp_results
     name = case_name(case)
-    expected = ref[case["fused"]]["dw"]
+    expected = ref[ref_key(case)]["dw"]
+    tol = tolerance(case)
     for rank, results in enumerate(ranks):
         got = results[name]
-        if case["main_grad"]:
-            assert got["grad_is_none"], "DDP-style hook must have moved .grad into main_grad"
-        torch.testing.assert_close(got["after"], expected, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name} rank {rank}: {m}")
-    # every rank ends with the same bits; before the reduction each held a (scaled) partial
-    assert torch.equal(ranks[0][name]["after"], ranks[1][name]["after"])
-    assert not torch.allclose(ranks[0][name]["before"], ranks[1][name]["before"])
-    torch.testing.assert_close(ranks[0][name]["before"] + ranks[1][name]["before"],
-                               TP * expected, rtol=1e-5, atol=1e-6)
+        assert got["grad_is_none"], "megatron's DDP moves .grad into main_grad"
+        assert got["main_grad_dtype"] == ref[ref_key(case)]["main_grad_dtype"]
+        assert got["after"].dtype == expected.dtype
+        err = rel_err(got["after"], expected)
+        assert err <= tol, f"{name} TP {tp} rank {rank}: rel err {err:.2e} > {tol:.0e}"
+    # every rank ends with the same bits; before the reduction each held tp x its partial
+    for r in range(1, tp):
+        assert torch.equal(ranks[0][name]["after"], ranks[r][name]["after"]), (name, r)
+        assert not torch.allclose(ranks[0][name]["before"], ranks[r][name]["before"])
+    partial_sum = sum(ranks[r][name]["before"] for r in range(tp)) / tp
+    assert rel_err(partial_sum, expected.float()) <= tol
+    # never reduced twice, never left partial: twice / half the gradient would be far off
+    assert rel_err(2 * ranks[0][name]["after"].float(), expected.float()) > 0.5
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c["main_grad"]],
-                         ids=[case_name(c) for c in CASES if not c["main_grad"]])
-def test_tp2_output_matches_tp1(tp_results, case):
-    """Sanity of the sharding: the TP = 2 layer computes the TP = 1 function."""
-    ref, ranks = tp_results
-    expected = ref[case["fused"]]["out"]
+@pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "fp32"
+                                  and c["grad_reduce_in_fp32"]],
+                         ids=[case_name(c) for c in CASES if c["dtype"] == "fp32"
+                              and c["grad_reduce_in_fp32"]])
+def test_tp_output_matches_tp1(tp_results, case):
+    """Sanity of the sharding: the TP layer computes the TP = 1 function."""
+    tp, ref, ranks = tp_results
+    expected = ref[ref_key(case)]["out"]
     name = case_name(case)
     if case["sequence_parallel"]:
-        got = torch.cat([ranks[r][name]["out"] for r in range(TP)], dim=0)
+        got = torch.cat([ranks[r][name]["out"] for r in range(tp)], dim=0)
     else:
         got = ranks[0][name]["out"]
-        assert torch.equal(got, ranks[1][name]["out"])
+        for r in range(1, tp):
+            assert torch.equal(got, ranks[r][name]["out"])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

@@ -2,8 +2,8 @@
 flag off then on (``--compare``), in a subprocess (the CPU shims patch torch and megatron
 process-wide). Checks: finite losses that go down, the two runs agree per the numerics
 contract step by step, the paired check (same weights, fused vs unfused) gives the same loss and
-gradients to fp32 rounding, outputs written, and at TP = 2 the GDN out_norm weight identical on
-both ranks after every step."""
+gradients to fp32 rounding, outputs written, and at TP = 2 and TP = 4 (gloo, spawned CPU
+processes) the GDN out_norm weight identical on every rank after every step."""
 
 import json
 import math
@@ -73,3 +73,18 @@ def test_compare_tp2_sequence_parallel_recompute(tmp_path):
     _check_agreement(off, on, 2)
     for run in (off, on):  # out_norm weight identical on both TP ranks after every step
         assert run["tp_out_norm_max_diff"] == [0.0, 0.0]
+
+
+# TP = 4 needs every head count divisible by 4 (attention heads, query groups, GDN key heads);
+# 8 GDN value heads: 2 per rank, so each rank's partial dW sums over more than one head.
+TP4_HEADS = ["--num-attention-heads", "4", "--num-query-groups", "4", "--kv-channels", "8",
+             "--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
+
+
+def test_compare_tp4_sequence_parallel_recompute(tmp_path):
+    off, on = _run(tmp_path, "--steps", "2", "--tp", "4", "--sequence-parallel",
+                   "--recompute-norm", "--no-noise-floor", *TP4_HEADS)
+    _check_agreement(off, on, 2)
+    for run in (off, on):  # out_norm weight identical on all four TP ranks after every step
+        assert run["tp_out_norm_max_diff"] == [0.0, 0.0]
+        assert run["args"]["tp"] == 4 and run["world_size"] == 4

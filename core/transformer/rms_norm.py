@@ -16,6 +16,8 @@ import torch
 
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from core.fusions.gated_norm_reference import rms_norm
+
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm over the last dim with megatron's module-builder signature.
@@ -63,13 +65,8 @@ class RMSNorm(torch.nn.Module):
                 self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = torch.promote_types(x.dtype, self.weight.dtype)
-        xf = x.float()
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        if self.zero_centered_gamma:
-            w = w + 1.0
-        return (xf * rstd * w).to(out_dtype)
+        # The one definition of the TE-style norm, shared with the kernels' tests and benchmark.
+        return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         return (

@@ -66,6 +66,32 @@ _EXACT_BF16_CAST = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
+def _row_pointers(base, rows, cols, SEQUENCE, HEADS: tl.constexpr, STRIDES,
+                  FLAT_TOKENS: tl.constexpr):
+    """Pointers to the [BT, BLOCK_D] block of ``rows`` of a strided [B, S, H, D] view whose
+    (batch, sequence, head) strides are the tuple STRIDES."""
+    offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
+    return base + offsets[:, None] + cols[None, :]
+
+
+@triton.jit
+def _row_block(block, ROWS, BT: tl.constexpr, col_mask):
+    """Row indices (int64), row mask and element mask of row block ``block``."""
+    rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
+    row_mask = rows < ROWS
+    return rows, row_mask, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def _load_weight(weight, cols, col_mask, ZERO_CENTERED: tl.constexpr):
+    """The effective weight in fp32: w, or 1 + w (zero-centred gamma; the 1 added in fp32)."""
+    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
 def _round_to(v, DTYPE: tl.constexpr):
     """Round fp32 ``v`` to the nearest-even value of DTYPE, kept in fp32.
 
@@ -132,20 +158,14 @@ def gated_norm_fwd(
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only)."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
+    w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     OUT_DTYPE: tl.constexpr = out.dtype.element_ty
     for block in range(tl.program_id(0), tl.cdiv(ROWS, BT), tl.num_programs(0)):
-        rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
-        row_mask = rows < ROWS
-        mask = row_mask[:, None] & col_mask[None, :]
-        x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2],
-                             X_FLAT_TOKENS)
-        g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1],
-                             GATE_STRIDES[2], GATE_FLAT_TOKENS)
-        xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
+        x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
+        g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
+        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         act = _activation(gv, ACTIVATION)
         if not NORM_BEFORE_GATE:
             xv = xv * act
@@ -153,10 +173,8 @@ def gated_norm_fwd(
         y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
         if NORM_BEFORE_GATE:
             y = y * act
-        o_rows = _row_offset(rows, SEQUENCE, HEADS, OUT_STRIDES[0], OUT_STRIDES[1], OUT_STRIDES[2],
-                             OUT_FLAT_TOKENS)
-        tl.store(out + o_rows[:, None] + cols[None, :], _round_to(y, OUT_DTYPE).to(OUT_DTYPE),
-                 mask=mask)
+        o_ptrs = _row_pointers(out, rows, cols, SEQUENCE, HEADS, OUT_STRIDES, OUT_FLAT_TOKENS)
+        tl.store(o_ptrs, _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
         if STORE_RSTD:
             tl.store(rstd + rows, r, mask=row_mask)
 
@@ -179,23 +197,16 @@ def gated_norm_bwd(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
+    w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     dw_acc = tl.zeros((BT, BLOCK_D), dtype=tl.float32)
     for block in range(pid, tl.cdiv(ROWS, BT), tl.num_programs(0)):
-        rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
-        row_mask = rows < ROWS
-        mask = row_mask[:, None] & col_mask[None, :]
-        x_rows = _row_offset(rows, SEQUENCE, HEADS, X_STRIDES[0], X_STRIDES[1], X_STRIDES[2],
-                             X_FLAT_TOKENS)
-        g_rows = _row_offset(rows, SEQUENCE, HEADS, GATE_STRIDES[0], GATE_STRIDES[1],
-                             GATE_STRIDES[2], GATE_FLAT_TOKENS)
-        d_rows = _row_offset(rows, SEQUENCE, HEADS, DY_STRIDES[0], DY_STRIDES[1], DY_STRIDES[2],
-                             DY_FLAT_TOKENS)
-        xv = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gv = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dout = tl.load(dy + d_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
+        x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
+        g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
+        d_ptrs = _row_pointers(dy, rows, cols, SEQUENCE, HEADS, DY_STRIDES, DY_FLAT_TOKENS)
+        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dout = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(rstd + rows, mask=row_mask, other=0.0)
 
         x_hat = xv * r[:, None]

@@ -48,7 +48,7 @@ fgn = importlib.import_module("core.fusions.fused_gated_norm")
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
-DEVICE = "cuda"  # tests smoke-run this module on the CPU interpreter by setting it to "cpu"
+DEVICE = "cuda"
 SHAPES = [(1, 4096, 8, 128), (1, 4096, 32, 128), (2, 8192, 32, 128), (1, 32768, 32, 128),
           (4, 4096, 16, 256)]
 QUICK_SHAPES = [(1, 4096, 32, 128), (2, 8192, 32, 128)]
@@ -128,19 +128,26 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3  # us
 
 
-def bench_graph(fn, calls=10, rep=50):
-    """GPU time of one call with the host out of the picture: ``calls`` back-to-back calls are
-    captured in one CUDA graph and replayed (same for every implementation)."""
+def capture(fn, calls=1, warmup=3):
+    """Warm ``fn`` up on a side stream (as CUDA-graph capture requires), then capture ``calls``
+    back-to-back calls in one graph; returns the graph and the last call's outputs."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            outputs = fn()
+    return graph, outputs
+
+
+def bench_graph(fn, calls=10, rep=50):
+    """GPU time of one call with the host out of the picture: ``calls`` back-to-back calls are
+    captured in one CUDA graph and replayed (same for every implementation)."""
+    graph, _ = capture(fn, calls)
     us = bench(graph.replay, rep=rep) / calls
     del graph
     return us
@@ -303,15 +310,7 @@ def cuda_graph_check():
         out = fused_gated_norm(x, packed[..., h * d:].unflatten(-1, (h, d)), w, EPS)
         return (out, *torch.autograd.grad(out, leaves, dy))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step, warmup=2)
     with torch.no_grad():  # new data into the static inputs, then replay
         for t in leaves:
             t.copy_(torch.randn_like(t))

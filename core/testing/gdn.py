@@ -62,17 +62,23 @@ def _pg_collection():
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
-    """core.ssm.GatedDeltaNet from ``get_gdn_module_spec(use_te)``. ``seed`` reseeds megatron's
-    RNG tracker first, so two builds with the same config get the same weights."""
+def _reseed(seed: Optional[int]) -> None:
+    """Reseed torch and megatron's RNG tracker (None: leave them as they are)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-
-    from core.models.gdn_specs import get_gdn_module_spec
 
     if seed is not None:
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
+    """core.ssm.GatedDeltaNet from ``get_gdn_module_spec(use_te)``. ``seed`` reseeds megatron's
+    RNG tracker first, so two builds with the same config get the same weights."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from core.models.gdn_specs import get_gdn_module_spec
+
+    _reseed(seed)
     return build_module(
         get_gdn_module_spec(use_te), config=config, layer_number=1, pg_collection=_pg_collection()
     )
@@ -80,14 +86,11 @@ def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int]
 
 def build_gdn_layer(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
     """TransformerLayer from ``get_gdn_layer_spec(use_te)`` (input norm, GDN, MLP)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
     from core.models.gdn_specs import get_gdn_layer_spec
 
-    if seed is not None:
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    _reseed(seed)
     return build_module(get_gdn_layer_spec(use_te), config=config, layer_number=1)
 
 

@@ -463,6 +463,13 @@ def fused_gated_norm(
         raise ValueError(
             f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
         )
+    return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation)
+
+
+def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation):
+    """``fused_gated_norm`` without its input checks, for a caller that has just run them (the
+    Megatron module runs ``validate_gated_norm``, which includes them): they are not repeated on
+    the hot path. Picks the eager autograd Function or, under torch.compile, the custom op."""
     if torch.compiler.is_compiling():
         buffer, _ = _gated_norm_fwd_op(x, gate, weight, float(eps), zero_centered, out_layout, activation)
         return _as_bshd(buffer, out_layout)

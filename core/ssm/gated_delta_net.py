@@ -6,7 +6,7 @@ Flag on, per forward (and again when ``gdn_norm_out`` selective recompute re-run
     _gated_norm_and_a2a (megatron's)             core_attn_out [B,S,H,D], gate [B,S,H,D] view
       -> _apply_gated_norm (this class)
            validate_gated_norm(self, x, gate)    host-side checks, every call
-           fused_gated_norm(..., out_layout="sbhd")
+           apply_validated_gated_norm(..., "sbhd")   fused_gated_norm minus its checks
       -> reshape(B, S, H*D).transpose(0, 1).contiguous()   a no-op: the buffer is already sbhd
       -> CP all-to-all, out_proj
 
@@ -31,7 +31,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet as _MegatronGatedDel
 from megatron.core.transformer.spec_utils import build_module
 
 from core.fusions.fused_gated_norm import (
-    fused_gated_norm,
+    apply_validated_gated_norm,
     gate_activation_name,
     validate_gated_norm,
 )
@@ -146,15 +146,15 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         self._check_tp_partial_grad()
         if not self.fused_gated_norm:
             return super()._apply_gated_norm(x, gate)
-        validate_gated_norm(self, x, gate)
+        validate_gated_norm(self, x, gate)  # includes fused_gated_norm's own input checks
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
         # .contiguous() that follows in _gated_norm_and_a2a is then free.
-        return fused_gated_norm(
+        return apply_validated_gated_norm(
             x,
             gate,
             self.out_norm.weight,
             self.config.layernorm_epsilon,
             self.out_norm_zero_centered,
-            out_layout="sbhd",
-            activation=self.gate_activation,
+            "sbhd",
+            self.gate_activation,
         )

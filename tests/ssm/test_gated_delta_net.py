@@ -7,6 +7,7 @@ from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 install_cpu_shims()
 
 import copy  # noqa: E402
+import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -127,7 +128,7 @@ def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     seen = {}
     module.in_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("in_proj", o[0]))
-    real_fused = gdn_mod.fused_gated_norm
+    real_fused = gdn_mod.apply_validated_gated_norm
 
     def spy(x, gate, *args, **kwargs):
         seen["gate"] = gate
@@ -135,7 +136,7 @@ def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
         seen["norm"] = out
         return out
 
-    monkeypatch.setattr(gdn_mod, "fused_gated_norm", spy)
+    monkeypatch.setattr(gdn_mod, "apply_validated_gated_norm", spy)
     real_a2a = module._gated_norm_and_a2a
 
     def a2a_spy(*args, **kwargs):
@@ -153,6 +154,22 @@ def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
     # megatron's reshape/transpose/.contiguous() after the norm returned the very same buffer
     assert seen["a2a"].data_ptr() == seen["norm"].data_ptr()
     assert seen["a2a"].shape == (SEQ, BATCH, 4 * 16)
+
+
+def test_fused_forward_checks_inputs_once(monkeypatch):
+    """validate_gated_norm includes the kernel's input checks; the module must not repeat them."""
+    kernel_mod = importlib.import_module("core.fusions.fused_gated_norm")
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    calls = []
+    real_check = kernel_mod.check_gated_norm_inputs
+
+    def counting(*args):
+        calls.append(args)
+        return real_check(*args)
+
+    monkeypatch.setattr(kernel_mod, "check_gated_norm_inputs", counting)
+    module._apply_gated_norm(*_xg())
+    assert len(calls) == 1
 
 
 def test_unfused_path_keeps_megatron_gate_copy(monkeypatch):

@@ -53,15 +53,17 @@ import pretrain_data  # noqa: E402  (examples/, after the environment is set)
 import pretrain_report  # noqa: E402
 
 # Model sizes: (CPU default, GPU default). Any of them can be overridden on the command line.
+# The GPU default's GDN layer has Qwen3-Next's shapes (hidden 2048, 16 key / 32 value heads of
+# 128), so the layer GPU check and this run share FLA's autotuned kernels.
 SIZES = {
-    "hidden_size": (64, 1024),
+    "hidden_size": (64, 2048),
     "num_layers": (4, 8),
-    "ffn_hidden_size": (192, 2816),
-    "num_attention_heads": (4, 8),
+    "ffn_hidden_size": (192, 5632),
+    "num_attention_heads": (4, 16),
     "num_query_groups": (2, 2),
     "kv_channels": (16, 128),
-    "linear_num_key_heads": (2, 8),
-    "linear_num_value_heads": (4, 16),
+    "linear_num_key_heads": (2, 16),
+    "linear_num_value_heads": (4, 32),
     "linear_key_head_dim": (16, 128),
     "linear_value_head_dim": (16, 128),
     "seq_length": (128, 2048),

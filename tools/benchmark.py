@@ -277,6 +277,13 @@ def host_cost():
                    (0, 1024, 128), True, True, True, EPS, False, 16, 128, fgn.norm_dtype(DTYPE, DTYPE),
                    "silu")
     res["ref_triton_launch_us"] = per_call(lambda: fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4))
+    # What a direct launcher would cost: the compiled kernel called without JITFunction.run's
+    # binding and cache lookup (every argument, defaults included, as JITFunction.run passes).
+    try:
+        direct = fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4)[(8, 1, 1)]
+        res["ref_compiled_kernel_launch_us"] = per_call(lambda: direct(*launch_args, True, True))
+    except Exception as e:  # the CompiledKernel call convention is Triton-internal
+        log(f"direct launch not measured: {type(e).__name__}: {e}")
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
     res["backward_impl_us"] = per_call(lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
 

@@ -8,7 +8,10 @@ Transformer Engine needed) with FLA's real kernels, bf16, flag on vs off:
      the layer as the accuracy reference; flag-off vs flag-off shows FLA's own run-to-run noise;
   2. selective recompute 'gdn_norm_out' with the flag (deterministic_mode: torch.equal expected);
   3. peak memory of forward + backward and fwd+bwd time, on vs off, at Qwen3-Next GDN shapes
-     (hidden 2048, 16 key heads, 32 value heads, head dims 128) for S=4096 B=1 and S=8192 B=2.
+     (hidden 2048, 16 key heads, 32 value heads, head dims 128) for S=4096 B=1 and S=8192 B=2;
+  4. where the layer's gain comes from: the output-norm section alone at the same shapes, split
+     into the norm + gate kernels and the two copies the fused path removes (the gate's
+     .contiguous() and the transpose to sbhd).
 
     python tests/gpu/check_gdn_layer.py                      # everything, one GPU
     python tests/gpu/check_gdn_layer.py --no-jit             # megatron's jit_fuser disabled
@@ -100,6 +103,14 @@ def init_distributed(tp: int) -> int:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     return torch.distributed.get_rank()
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, unbuffered: a stalled step shows where it stalled."""
+    print(f"[check_gdn_layer {time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def sync():
@@ -274,6 +285,86 @@ def measure(seq: int, batch: int, fused: bool) -> dict:
     return res
 
 
+def time_ms(fn, iters: int) -> float:
+    """Median wall time of fn() in ms, CUDA events (CPU smoke: perf_counter)."""
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        if CPU:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def breakdown(seq: int, batch: int) -> dict:
+    """The output-norm section of the layer alone, fwd+bwd, at the layer's shapes and layouts:
+    the gate is a slice of the packed in_proj output ([S, B, W] transposed to [B, S, W]), the
+    norm input is FLA's contiguous [B, S, H, D] output. Unfused = megatron's code as it runs in
+    training (jit_fuser): gate.contiguous() in the input preparation, _apply_gated_norm, then
+    reshape + transpose(0, 1).contiguous(). Fused = our module's _apply_gated_norm on the gate
+    view (sbhd output, so the same reshape + transpose + .contiguous() is free)."""
+    off, on = make_module(False), make_module(True)
+    on.load_state_dict(off.state_dict())
+    heads = SHAPES["num_value_heads"] // max(ARGS.tp, 1)
+    dim = SHAPES["value_head_dim"]
+    width = off.in_proj.weight.shape[0]  # local qkvzba width
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    packed = torch.randn(seq, batch, width, generator=gen).to(DEVICE, torch.bfloat16)
+    z0 = 2 * SHAPES["num_key_heads"] * SHAPES["key_head_dim"] // max(ARGS.tp, 1) + heads * dim
+    x = torch.randn(batch, seq, heads, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(seq, batch, heads * dim, generator=gen).to(DEVICE, torch.bfloat16)
+    packed.requires_grad_(True)
+    x.requires_grad_(True)
+
+    def gate_view():
+        return packed.transpose(0, 1)[..., z0:z0 + heads * dim].unflatten(-1, (heads, dim))
+
+    def to_sbhd(y):
+        return y.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+    def run(fn):
+        def step():
+            x.grad = packed.grad = None
+            off.zero_grad(set_to_none=True)
+            on.zero_grad(set_to_none=True)
+            fn().backward(dy)
+        return step
+
+    iters = ARGS.iters if not CPU else 2
+    t = {
+        "gate_contiguous": time_ms(
+            run(lambda: gate_view().contiguous().transpose(0, 1).reshape(seq, batch, -1)), iters),
+        "gate_view_only": time_ms(run(lambda: gate_view().transpose(0, 1).reshape(seq, batch, -1)),
+                                  iters),
+        "unfused_norm": time_ms(run(lambda: off._apply_gated_norm(x, gate_view().contiguous())
+                                    .reshape(batch, seq, -1).transpose(0, 1)), iters),
+        "unfused_norm_and_transpose": time_ms(
+            run(lambda: to_sbhd(off._apply_gated_norm(x, gate_view().contiguous()))), iters),
+        "fused": time_ms(run(lambda: to_sbhd(on._apply_gated_norm(x, gate_view()))), iters),
+    }
+    # The bare gate copy, net of the autograd plumbing every variant shares.
+    gate_copy = t["gate_contiguous"] - t["gate_view_only"]
+    kernels_unfused = t["unfused_norm"] - gate_copy
+    transpose = t["unfused_norm_and_transpose"] - t["unfused_norm"]
+    res = {"shape": f"S={seq} B={batch}", "ms": t,
+           "unfused_total_ms": t["unfused_norm_and_transpose"], "fused_total_ms": t["fused"],
+           "gain_ms": t["unfused_norm_and_transpose"] - t["fused"],
+           "gain_from_kernels_ms": kernels_unfused - t["fused"],
+           "gain_from_gate_copy_ms": gate_copy, "gain_from_transpose_copy_ms": transpose}
+    del off, on
+    return res
+
+
 def tp_mode(tp: int, rank: int) -> dict:
     """TP=tp over NCCL: one layer in megatron's DistributedDataParallel, the out_norm weight
     main_grad after the stock finalize_model_grads equals the TP=1 grad on every rank (SP on/off,
@@ -330,6 +421,7 @@ def main() -> int:
     seq_parity = (4096, 1) if not CPU else (64, 2)
     for name, fn, shape in (("parity", parity, seq_parity),
                             ("recompute", recompute, (2048, 1) if not CPU else (64, 2))):
+        log(f"{name} S={shape[0]} B={shape[1]}")
         try:
             RESULTS[name] = fn(*shape)
         except Exception:
@@ -350,6 +442,7 @@ def main() -> int:
     for seq, batch in shapes:
         for fused in (False, True):
             key = f"S={seq} B={batch} {'on' if fused else 'off'}"
+            log(f"measure {key}")
             try:
                 perf[key] = measure(seq, batch, fused)
             except Exception:
@@ -364,6 +457,21 @@ def main() -> int:
             table.append(f"{'':14s} speed-up {off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x, "
                          f"memory saved {off.get('peak_mib', 0) - on.get('peak_mib', 0):.1f} MiB")
     RESULTS["perf"] = perf
+
+    parts = {}
+    table.append("output-norm section alone, fwd+bwd ms (unfused -> fused; gain split):")
+    for seq, batch in shapes:
+        log(f"breakdown S={seq} B={batch}")
+        try:
+            b = parts[f"S={seq} B={batch}"] = breakdown(seq, batch)
+        except Exception:
+            check(f"breakdown S={seq} B={batch}", False, traceback.format_exc().splitlines()[-1])
+            continue
+        table.append(f"  {b['shape']}: {b['unfused_total_ms']:.3f} -> {b['fused_total_ms']:.3f} "
+                     f"(gain {b['gain_ms']:.3f}: kernels {b['gain_from_kernels_ms']:.3f}, "
+                     f"gate copy {b['gain_from_gate_copy_ms']:.3f}, "
+                     f"transpose copy {b['gain_from_transpose_copy_ms']:.3f})")
+    RESULTS["breakdown"] = parts
     return finish(rank, table)
 
 

@@ -4,7 +4,8 @@
 #   bash tests/gpu/run_all.sh bench     # tools/benchmark.py
 #   bash tests/gpu/run_all.sh layer     # GatedDeltaNet with FLA's kernels: 1 GPU, then TP=2 (NCCL)
 #   bash tests/gpu/run_all.sh example   # the pretraining example, flag off vs on, TP=1 (and TP=2)
-# Several stages may be named in one call; STEP_TIMEOUT (s) bounds each step.
+# Several stages may be named in one call; STEP_TIMEOUT (s) bounds each step; TP_SIZES ("1 2")
+# picks the tensor-parallel sizes of the layer and example stages.
 # Wheels (megatron-core, fla-core, and triton 3.7.1 for FLA's GDN backward on Hopper) are
 # installed into .site first when .whl/ holds them (see shared/notes/gpu.md).
 set -uo pipefail
@@ -16,6 +17,9 @@ if compgen -G ".whl/*.whl" >/dev/null && [[ ! -f .site/.installed ]]; then
         --target .site .whl/*.whl && touch .site/.installed
 fi
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Logs survive a timeout (unbuffered), a timeout prints where Python was (SIGABRT ->
+# faulthandler), FLA's first-call autotuning is visible and kept on disk for the next step.
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_AUTOTUNING=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
@@ -23,12 +27,13 @@ step() {  # step NAME CMD...: run, keep going, remember failures
     local name=$1; shift
     echo "=== $name: $*"
     local t0=$SECONDS
-    timeout "${STEP_TIMEOUT:-590}" "$@" > "$OUT/$name.log" 2>&1
+    timeout -s ABRT -k 20 "${STEP_TIMEOUT:-590}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 25 "$OUT/$name.log"
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
     [[ $rc -eq 0 ]] || status=1
 }
+tp_wanted() { [[ " ${TP_SIZES:-1 2} " == *" $1 "* ]]; }  # TP_SIZES="1" or "2" picks
 for stage in "${@:-kernels}"; do
 case "$stage" in
 kernels)
@@ -40,14 +45,18 @@ bench)
     step benchmark python3 tools/benchmark.py --out "$OUT/benchmark" ${BENCH_ARGS:-}
     ;;
 layer)
-    step check_gdn_layer python3 tests/gpu/check_gdn_layer.py
-    if [[ $ngpu -ge 2 ]]; then
+    if tp_wanted 1; then
+        step check_gdn_layer python3 tests/gpu/check_gdn_layer.py
+    fi
+    if tp_wanted 2 && [[ $ngpu -ge 2 ]]; then
         step check_gdn_layer_tp2 torchrun --nproc-per-node 2 tests/gpu/check_gdn_layer.py --tp 2
     fi
     ;;
 example)
-    step example_tp1 python3 examples/pretrain_gdn.py --compare --no-progress --out "$OUT/example_tp1" ${EXAMPLE_ARGS:-}
-    if [[ $ngpu -ge 2 ]]; then
+    if tp_wanted 1; then
+        step example_tp1 python3 examples/pretrain_gdn.py --compare --no-progress --out "$OUT/example_tp1" ${EXAMPLE_ARGS:-}
+    fi
+    if tp_wanted 2 && [[ $ngpu -ge 2 ]]; then
         step example_tp2 python3 examples/pretrain_gdn.py --compare --no-progress --tp 2 --sequence-parallel --recompute-norm --out "$OUT/example_tp2" ${EXAMPLE_ARGS:-}
     fi
     ;;

@@ -67,18 +67,23 @@ def log(*args):
 def make_inputs(shape, variant="plain", seed=0):
     """Fresh random x, gate, weight (leaves requiring grad) and dy. variant 'strided_gate': the
     gate is a slice of a packed [B, S, 2 * H * D] projection (read in place by ours)."""
-    torch.manual_seed(seed)
+    # A private generator: the default CUDA generator is tied to graph capture state.
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     b, s, h, d = shape
-    x = torch.randn(shape, device=DEVICE, dtype=DTYPE).requires_grad_()
+
+    def randn(*size):
+        return torch.randn(size, device=DEVICE, dtype=DTYPE, generator=gen)
+
+    x = randn(*shape).requires_grad_()
     if variant == "strided_gate":
-        packed = (2 * torch.randn((b, s, 2 * h * d), device=DEVICE, dtype=DTYPE)).requires_grad_()
+        packed = (2 * randn(b, s, 2 * h * d)).requires_grad_()
         gate = packed[..., h * d:].unflatten(-1, (h, d))
         leaves = (x, packed)
     else:
-        gate = (2 * torch.randn(shape, device=DEVICE, dtype=DTYPE)).requires_grad_()
+        gate = (2 * randn(*shape)).requires_grad_()
         leaves = (x, gate)
-    weight = (1 + 0.2 * torch.randn(d, device=DEVICE, dtype=DTYPE)).requires_grad_()
-    dy = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    weight = (1 + 0.2 * randn(d)).requires_grad_()
+    dy = randn(*shape)
     return x, gate, weight, dy, (*leaves, weight)
 
 
@@ -209,9 +214,14 @@ def time_impl(fn, shape, variant):
     torch.autograd.grad(out, inputs, dy, retain_graph=True)
     fwd = bench(lambda: fn(x, g, w, sbhd))
     bwd = bench(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))
+    # In a graph the backward is captured with its forward: autograd runs each backward op on
+    # the stream of its forward op, so a forward recorded outside the capture cannot be used.
+    def fwd_bwd():
+        return torch.autograd.grad(fn(x, g, w, sbhd), inputs, dy)
+
     try:
         fwd_graph = bench_graph(lambda: fn(x, g, w, sbhd))
-        bwd_graph = bench_graph(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))
+        bwd_graph = bench_graph(fwd_bwd) - fwd_graph
     except Exception as e:  # noqa: BLE001 - a peer that cannot be captured keeps its eager time
         log(f"graph capture failed: {type(e).__name__}: {e}")
         fwd_graph = bwd_graph = float("nan")
@@ -395,17 +405,13 @@ def sweep(shapes, ceiling):
             for warps in (2, 4, 8):
                 if bt * triton.next_power_of_2(d) // (32 * warps) < 4:
                     continue  # fewer than 4 elements per thread: not a serious candidate
-                for per_sm in (None, 8):
-                    programs = triton.cdiv(rows, bt) if per_sm is None else sms * per_sm
-                    try:
-                        us = bench(lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps,
-                                                            programs=programs), rep=40)
-                    except Exception as e:  # noqa: BLE001 - out of resources etc.
-                        log(f"  fwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
-                        continue
+                try:
+                    us = bench(lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps), rep=40)
+                except Exception as e:  # noqa: BLE001 - out of resources etc.
+                    log(f"  fwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
+                else:
                     results.append({"kernel": "fwd", "shape": shape, "bt": bt, "warps": warps,
-                                    "per_sm": per_sm, "us": us,
-                                    "pct": 100 * nbytes["fwd"] / us / 1e3 / ceiling})
+                                    "us": us, "pct": 100 * nbytes["fwd"] / us / 1e3 / ceiling})
                 for per_sm in (4, 8, 16):
                     try:
                         us = bench(lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,

@@ -69,9 +69,11 @@ _EXACT_BF16_CAST = tl.constexpr(not triton.knobs.runtime.interpret)
 def _row_pointers(base, rows, cols, SEQUENCE, HEADS: tl.constexpr, STRIDES,
                   FLAT_TOKENS: tl.constexpr):
     """Pointers to the [BT, BLOCK_D] block of ``rows`` of a strided [B, S, H, D] view whose
-    (batch, sequence, head) strides are the tuple STRIDES."""
+    (batch, sequence, head) strides are the tuple STRIDES. The 64-bit offset is added once per
+    row, the columns as 32-bit offsets: 64-bit offsets per element cost ~5 % of the forward's
+    bandwidth on the H200 (tools/forward_variants.py)."""
     offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
-    return base + offsets[:, None] + cols[None, :]
+    return (base + offsets)[:, None] + cols[None, :]
 
 
 @triton.jit
@@ -148,11 +150,10 @@ def gated_norm_fwd(
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
     NORM_BEFORE_GATE: tl.constexpr = True, STORE_RSTD: tl.constexpr = True,
 ):
-    """Writes out and (STORE_RSTD) one fp32 inverse RMS per row, BT rows at a time.
-
-    Grid-stride loop: program p handles row blocks p, p + P, ... (P = the grid size). A grid of
-    cdiv(ROWS, BT) gives one block per program; a smaller (persistent) grid loads the weight
-    once per program and lets the compiler prefetch the next block while this one computes.
+    """Writes out and (STORE_RSTD) one fp32 inverse RMS per row: program p handles rows
+    [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: the loop alone cost 5-7 %
+    of the copy ceiling on the H200 (tools/forward_variants.py); many small programs keep enough
+    loads in flight.
     NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only)."""
@@ -160,23 +161,22 @@ def gated_norm_fwd(
     col_mask = cols < D
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     OUT_DTYPE: tl.constexpr = out.dtype.element_ty
-    for block in range(tl.program_id(0), tl.cdiv(ROWS, BT), tl.num_programs(0)):
-        rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
-        x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
-        g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
-        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-        act = _activation(gv, ACTIVATION)
-        if not NORM_BEFORE_GATE:
-            xv = xv * act
-        r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
-        y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
-        if NORM_BEFORE_GATE:
-            y = y * act
-        o_ptrs = _row_pointers(out, rows, cols, SEQUENCE, HEADS, OUT_STRIDES, OUT_FLAT_TOKENS)
-        tl.store(o_ptrs, _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
-        if STORE_RSTD:
-            tl.store(rstd + rows, r, mask=row_mask)
+    rows, row_mask, mask = _row_block(tl.program_id(0), ROWS, BT, col_mask)
+    x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
+    g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
+    xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    act = _activation(gv, ACTIVATION)
+    if not NORM_BEFORE_GATE:
+        xv = xv * act
+    r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
+    y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
+    if NORM_BEFORE_GATE:
+        y = y * act
+    o_ptrs = _row_pointers(out, rows, cols, SEQUENCE, HEADS, OUT_STRIDES, OUT_FLAT_TOKENS)
+    tl.store(o_ptrs, _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd + rows, r, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
@@ -218,11 +218,13 @@ def gated_norm_bwd(
         dx_v = (wdy - x_hat * c[:, None]) * r[:, None]
         dw_acc += dnorm * x_hat
 
-        flat = rows[:, None] * D + cols[None, :]
+        row_start = rows * D  # 64-bit per row, 32-bit columns (as in _row_pointers)
         DX_DTYPE: tl.constexpr = dx.dtype.element_ty
         DG_DTYPE: tl.constexpr = dgate.dtype.element_ty
-        tl.store(dx + flat, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
-        tl.store(dgate + flat, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE), mask=mask)
+        tl.store((dx + row_start)[:, None] + cols[None, :],
+                 _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
+        tl.store((dgate + row_start)[:, None] + cols[None, :],
+                 _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE), mask=mask)
     tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
@@ -263,13 +265,12 @@ def forward_impl(
     *,
     out: Optional[torch.Tensor] = None,
     activation: str = "silu",
-    programs: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_fwd``; returns ``(out, rstd)``. No input is copied.
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
-    buffer); a new contiguous tensor when None. ``bt``/``warps``/``programs`` (grid size)
-    override the heuristics of ``gated_norm_launch`` (used by the benchmark's sweep)."""
+    buffer); a new contiguous tensor when None. ``bt``/``warps`` override the heuristics of
+    ``gated_norm_launch`` (used by the benchmark's sweep)."""
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     if out is None:
@@ -279,11 +280,10 @@ def forward_impl(
         return out, rstd
     cfg = forward_launch(rows, dim, x.device)
     bt = bt or cfg.bt
-    programs = min(programs or cfg.max_programs, triton.cdiv(rows, bt))
     x_strides, x_flat = _layout(x)
     g_strides, g_flat = _layout(gate)
     o_strides, o_flat = _layout(out)
-    gated_norm_fwd[(programs,)](
+    gated_norm_fwd[(triton.cdiv(rows, bt),)](
         x, gate, weight, out, rstd,
         rows, heads, dim, seq,
         x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,

@@ -18,10 +18,9 @@ MAX_HEAD_DIM = 8192
 
 
 class ForwardLaunch(NamedTuple):
-    bt: int  # rows per block (one loop iteration of a program)
+    bt: int  # rows per program (the grid is cdiv(rows, bt))
     warps: int
     block_d: int
-    max_programs: int  # grid size cap: fewer programs than blocks makes the kernel persistent
 
 
 class BackwardLaunch(NamedTuple):
@@ -38,15 +37,17 @@ def sm_count(device: torch.device) -> int:
     return 4  # CPU interpreter: programs run one after another; a few keep dW partials small
 
 
-# H200 sweep (docs/benchmarks.md; bf16, 1M rows of D=128 and 262k rows of D=256):
-# - forward: 1024 elements per program (bt=8 at D=128, bt=4 at D=256) with 2 warps, one block
-#   per program, was best at both D (89 % / 88 % of the copy ceiling); a persistent grid (8
-#   programs per SM) and more rows per program were 2-6 % slower.
+# H200 sweeps (docs/benchmarks.md; bf16, 524k and 1M rows of D=128, 262k rows of D=256):
+# - forward (tools/forward_variants.py, without the grid-stride loop and with 32-bit column
+#   offsets): 2048 elements per program with 4 warps (bt=16 at D=128, bt=8 at D=256) was best
+#   or within 0.5 % of it at every size (99 % / 95 % / 95 % of the copy ceiling); 1024 with 2
+#   warps was within 1 %, 4096 with 4 warps 9 % slower.
 # - backward: 1024 elements per loop iteration with 4 warps and 8 programs per SM was within
 #   0.5 % of the best at D=128 and the best at D=256 (89 % / 83 %).
 # Neither depends on the row count (only the grid does), so the compiled kernel never changes
 # with the token count.
-ELEMENTS_PER_BLOCK = 1024
+FORWARD_ELEMENTS_PER_BLOCK = 2048
+BACKWARD_ELEMENTS_PER_BLOCK = 1024
 FORWARD_ELEMENTS_PER_THREAD = 16
 BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
@@ -73,15 +74,15 @@ def _interpreter(dim: int) -> BackwardLaunch:
 @functools.lru_cache(maxsize=1024)
 def _forward(dim: int, sms: int) -> ForwardLaunch:
     block_d = triton.next_power_of_2(dim)
-    bt = max(1, ELEMENTS_PER_BLOCK // block_d)
+    bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
-    return ForwardLaunch(bt, _warps(bt * block_d, FORWARD_ELEMENTS_PER_THREAD), block_d, 1 << 30)
+    return ForwardLaunch(bt, _warps(bt * block_d, FORWARD_ELEMENTS_PER_THREAD), block_d)
 
 
 @functools.lru_cache(maxsize=1024)
 def _backward(dim: int, sms: int) -> BackwardLaunch:
     block_d = triton.next_power_of_2(dim)
-    bt = max(1, ELEMENTS_PER_BLOCK // block_d)
+    bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
     return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
                           sms * BACKWARD_PROGRAMS_PER_SM)
 
@@ -89,7 +90,7 @@ def _backward(dim: int, sms: int) -> BackwardLaunch:
 def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:
     """Launch parameters of gated_norm_fwd; ``rows`` only sizes the grid (at the call site)."""
     if device.type == "cpu":
-        return ForwardLaunch(*_interpreter(dim))
+        return ForwardLaunch(*_interpreter(dim)[:3])
     return _forward(dim, sm_count(device))
 
 

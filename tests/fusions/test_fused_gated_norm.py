@@ -372,15 +372,24 @@ def test_row_offset_is_64_bit(flat_tokens):
 
 @pytest.mark.parametrize("bt, programs", [(1, 1), (2, 3), (4, 5), (8, 64)])
 def test_any_block_and_grid_size_gives_the_same_result(bt, programs):
-    """Loop tails, partial blocks, idle programs and many dW partials: rows are independent, so
-    out, dx and dgate are identical whatever the launch; dW differs only by summation order."""
+    """Partial blocks, loop tails, idle programs and many dW partials give the same rows.
+
+    Under the interpreter every launch sums a row in the same order, so out, rstd, dx and dgate
+    are bit-identical and dW differs only by the order of its partial sums. On a GPU the order
+    within a row follows the block's layout (BT, warps): rstd may then move by an fp32 ulp and
+    an element by one output ulp, which is why the launch heuristics are fixed per head dim."""
     x, gate, weight = make_inputs((2, 7, 3, 96), torch.bfloat16)  # 42 rows: a tail for every bt
     x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
     dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
     ref_out, ref_rstd = kernel_module.forward_impl(x, gate, weight, EPS)
-    out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt, programs=programs)
-    assert torch.equal(out, ref_out) and torch.equal(rstd, ref_rstd)
-    ref_grads = kernel_module.backward_impl(x, gate, weight, rstd, dy)
-    grads = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=bt, programs=programs)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt)
+    ref_grads = kernel_module.backward_impl(x, gate, weight, ref_rstd, dy)
+    grads = kernel_module.backward_impl(x, gate, weight, ref_rstd, dy, bt=bt, programs=programs)
+    if DEVICE == "cpu":
+        assert torch.equal(out, ref_out) and torch.equal(rstd, ref_rstd)
+        assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    else:
+        torch.testing.assert_close(rstd, ref_rstd, rtol=2.5e-7, atol=0)
+        for got, want in ((out, ref_out), (grads[0], ref_grads[0]), (grads[1], ref_grads[1])):
+            assert ulp_distance(got, want).max().item() <= 1
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=8e-3, atol=1e-3)

@@ -377,45 +377,57 @@ def forward_backward(model, optimizer, micro) -> torch.Tensor:
 
 
 def paired_check(model, optimizer, micro) -> dict:
-    """Same weights, same batch: loss and finalized grads with the GDN output norm unfused and
-    fused (the modules' switch is flipped for this one step and restored). Leaves the grad
-    buffers zeroed. Returns the loss difference and ||g_on - g_off|| / ||g_off|| over all
-    parameters (all ranks), plus the same for the out_norm weights alone."""
+    """Same weights, same batch: loss and finalized grads of four passes, the GDN modules'
+    switch flipped for this one step and restored (the grad buffers are left zeroed):
+    unfused as configured (the reference), unfused again (the run-to-run floor of everything
+    else, e.g. nondeterministic kernels), unfused eager (megatron's norm code as written, with
+    the intermediate rounding that torch.compile drops), fused. Returns each pass's loss
+    difference to the reference and ||g - g_ref|| / ||g_ref|| over all parameters (all ranks)
+    and over the out_norm weights alone; the fused pass's under the original keys."""
     from megatron.core.distributed import finalize_model_grads
+
+    from core.testing.gdn import eager_megatron_gdn
 
     modules = gdn_modules(model)
     saved = [m.fused_gated_norm for m in modules]
-    losses, grads = [], []
+    passes = {"off": (False, contextlib.nullcontext), "repeat": (False, contextlib.nullcontext),
+              "eager": (False, eager_megatron_gdn), "on": (True, contextlib.nullcontext)}
+    losses, grads = {}, {}
     try:
-        for fused in (False, True):
+        for name, (fused, context) in passes.items():
             for m in modules:
                 m.fused_gated_norm = fused
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            losses.append(float(forward_backward(model, optimizer, micro)))
+            with context():
+                losses[name] = float(forward_backward(model, optimizer, micro))
             finalize_model_grads([model])
-            grads.append({n: p.main_grad.detach().float().clone()
-                          for n, p in model.named_parameters() if p.requires_grad})
+            grads[name] = {n: p.main_grad.detach().float().clone()
+                           for n, p in model.named_parameters() if p.requires_grad}
     finally:
         for m, f in zip(modules, saved):
             m.fused_gated_norm = f
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    off, on = grads
-    dev = next(iter(off.values())).device
-    sums = torch.zeros(4, dtype=torch.float64, device=dev)
-    for n in off:
-        d2, g2 = (on[n] - off[n]).double().square().sum(), off[n].double().square().sum()
-        sums[0] += d2
-        sums[1] += g2
-        if ".out_norm." in n:
-            sums[2] += d2
-            sums[3] += g2
+    # (pass, reference, key prefix): the fused pass's numbers keep the original keys.
+    pairs = (("repeat", "off", "repeat_"), ("eager", "off", "eager_"), ("on", "off", ""),
+             ("on", "eager", "on_vs_eager_"))
+    dev = next(iter(grads["off"].values())).device
+    sums = torch.zeros(len(pairs), 4, dtype=torch.float64, device=dev)
+    for i, (name, ref_name, _) in enumerate(pairs):
+        for n, ref in grads[ref_name].items():
+            d2 = (grads[name][n] - ref).double().square().sum()
+            g2 = ref.double().square().sum()
+            norm = 1.0 if ".out_norm." in n else 0.0
+            sums[i] += torch.stack([d2, g2, d2 * norm, g2 * norm])
     # Replicated parameters are counted once per rank: fine for a ratio.
     torch.distributed.all_reduce(sums)
-    return {"dloss": losses[1] - losses[0], "loss_off": losses[0],
-            "grad_rel": float((sums[0] / sums[1].clamp_min(1e-300)).sqrt()),
-            "out_norm_grad_rel": float((sums[2] / sums[3].clamp_min(1e-300)).sqrt())}
+    rel = (sums[:, [0, 2]] / sums[:, [1, 3]].clamp_min(1e-300)).sqrt().tolist()
+    result = {"loss_off": losses["off"]}
+    for (name, ref_name, prefix), (all_rel, norm_rel) in zip(pairs, rel):
+        result.update({f"{prefix}dloss": losses[name] - losses[ref_name],
+                       f"{prefix}grad_rel": all_rel, f"{prefix}out_norm_grad_rel": norm_rel})
+    return result
 
 
 def nudge_out_norm_weights(model) -> None:
@@ -637,13 +649,10 @@ def _disable_megatron_jit_fuser() -> None:
     compiled (the GDN norm/gate helpers), so the unfused path runs eagerly."""
     import megatron.core.jit as mjit
 
-    mjit.disable_jit_fuser()
-    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+    from core.testing.gdn import unwrap_jit_gdn_methods
 
-    for name, value in list(vars(_GDNBase).items()):
-        orig = getattr(value, "_torchdynamo_orig_callable", None)
-        if orig is not None:
-            setattr(_GDNBase, name, orig)
+    mjit.disable_jit_fuser()
+    unwrap_jit_gdn_methods()
 
 
 def _wrap(text: str, width: int) -> str:

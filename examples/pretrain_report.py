@@ -138,6 +138,18 @@ def summary_table(runs: list[dict], setup: str) -> str:
             f"  max ||grad(on) - grad(off)|| / ||grad(off)||, GDN out_norm  "
             f"{max(c['out_norm_grad_rel'] for c in checks):.2e}",
         ]
+        # The floors at the same weights and batch: the unfused path against itself (run-to-run
+        # noise of the other kernels) and against its eager code (the norm's rounding as
+        # written, which torch.compile's jit_fuser drops); the fused path reproduces the latter.
+        for prefix, label in (("repeat_", "unfused again vs unfused (run-to-run floor)"),
+                              ("eager_", "unfused eager vs unfused"),
+                              ("on_vs_eager_", "fused vs unfused eager")):
+            if prefix + "dloss" not in checks[0]:
+                continue
+            lines.append(
+                f"  {label}: max |dloss| {max(abs(c[prefix + 'dloss']) for c in checks):.2e}, "
+                f"grads {max(c[prefix + 'grad_rel'] for c in checks):.2e}, "
+                f"out_norm grads {max(c[prefix + 'out_norm_grad_rel'] for c in checks):.2e}")
     return "\n".join(lines)
 
 

@@ -10,12 +10,41 @@ Call ``core.testing.cpu.install_cpu_shims()`` and initialise parallel_state firs
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from core.transformer.transformer_config import TransformerConfig
+
+
+def unwrap_jit_gdn_methods() -> dict:
+    """Make megatron's jit_fuser-decorated GDN methods (norm + gate, input preparation) run as
+    written, eagerly. torch.compile drops the intermediate rounding of the norm output, so the
+    eager code is the numerics reference of the fusion. Returns what to restore."""
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    saved = {}
+    for name, value in list(vars(_GDNBase).items()):
+        orig = getattr(value, "_torchdynamo_orig_callable", None)
+        if orig is not None:
+            saved[name] = value
+            setattr(_GDNBase, name, orig)
+    return saved
+
+
+@contextlib.contextmanager
+def eager_megatron_gdn():
+    """``unwrap_jit_gdn_methods`` for the duration of a ``with`` block."""
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    saved = unwrap_jit_gdn_methods()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(_GDNBase, name, value)
 
 
 def gdn_config(

@@ -58,6 +58,11 @@ def _check_agreement(off, on, steps):
     for c in checks:
         assert abs(c["dloss"]) <= MAX_ULPS_FP32 * _ulp(c["loss_off"]), c
         assert c["grad_rel"] <= MAX_GRAD_REL_FP32 and c["out_norm_grad_rel"] <= MAX_GRAD_REL_FP32, c
+        # The floors: on the CPU (deterministic kernels, no jit_fuser) the unfused path repeats
+        # itself bit for bit and its eager code is the same code.
+        assert c["repeat_dloss"] == 0.0 and c["repeat_grad_rel"] == 0.0, c
+        assert c["eager_dloss"] == 0.0 and c["eager_grad_rel"] == 0.0, c
+        assert c["on_vs_eager_grad_rel"] == c["grad_rel"], c
 
 
 def test_compare_tp1(tmp_path):

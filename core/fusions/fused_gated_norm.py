@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from core.fusions.gated_norm_launch import MAX_HEAD_DIM, backward_launch, forward_launch
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, backward_launch, forward_launch
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUPPORTED_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,16 +47,20 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
                 FLAT_TOKENS: tl.constexpr):
     """Element offset (int64) of logical row ``(b * SEQUENCE + s) * HEADS + h`` of a strided
     ``[B, S, H, D]`` view. FLAT_TOKENS: batch and sequence fold into one token stride
-    (``STRIDE_B == SEQUENCE * STRIDE_S`` or B == 1), which saves a division per row."""
-    row = row.to(tl.int64)
+    (``STRIDE_B == SEQUENCE * STRIDE_S`` or B == 1), which saves a division per row.
+
+    The index math stays in the row's integer type (int32 in the kernels: the host checks
+    rows < 2**31) and only the products with the strides are 64-bit (one wide multiply each):
+    full 64-bit row math was a third of the forward's instructions."""
     token = row // HEADS
     head = row - token * HEADS
     if FLAT_TOKENS:
-        offset = token * STRIDE_S + head * STRIDE_H
+        offset = token.to(tl.int64) * STRIDE_S + head.to(tl.int64) * STRIDE_H
     else:
         batch = token // SEQUENCE
         seq = token - batch * SEQUENCE
-        offset = batch * STRIDE_B + seq * STRIDE_S + head * STRIDE_H
+        offset = (batch.to(tl.int64) * STRIDE_B + seq.to(tl.int64) * STRIDE_S
+                  + head.to(tl.int64) * STRIDE_H)
     return offset
 
 
@@ -78,8 +82,9 @@ def _row_pointers(base, rows, cols, SEQUENCE, HEADS: tl.constexpr, STRIDES,
 
 @triton.jit
 def _row_block(block, ROWS, BT: tl.constexpr, col_mask):
-    """Row indices (int64), row mask and element mask of row block ``block``."""
-    rows = block * BT + tl.arange(0, BT).to(tl.int64)  # ROWS < 2**31: block * BT fits
+    """Row indices (int32: the host checks ROWS < 2**31), row mask and element mask of row
+    block ``block``."""
+    rows = block * BT + tl.arange(0, BT)
     row_mask = rows < ROWS
     return rows, row_mask, row_mask[:, None] & col_mask[None, :]
 
@@ -218,7 +223,7 @@ def gated_norm_bwd(
         dx_v = (wdy - x_hat * c[:, None]) * r[:, None]
         dw_acc += dnorm * x_hat
 
-        row_start = rows * D  # 64-bit per row, 32-bit columns (as in _row_pointers)
+        row_start = rows.to(tl.int64) * D  # 64-bit per row, 32-bit columns (as in _row_pointers)
         DX_DTYPE: tl.constexpr = dx.dtype.element_ty
         DG_DTYPE: tl.constexpr = dgate.dtype.element_ty
         tl.store((dx + row_start)[:, None] + cols[None, :],
@@ -509,6 +514,12 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
         raise ValueError(f"fused_gated_norm: weight shape must be ({dim},) (x's last dim), got {tuple(weight.shape)}")
     if dim > MAX_HEAD_DIM:
         raise ValueError(f"fused_gated_norm: head dim (x's last dim) must be <= {MAX_HEAD_DIM}, got {dim}")
+    rows = x.shape[0] * x.shape[1] * x.shape[2]
+    if rows > MAX_ROWS:
+        raise ValueError(
+            f"fused_gated_norm: x must have at most {MAX_ROWS} rows (batch * sequence * heads; "
+            f"row indices are 32-bit, element offsets 64-bit), got {rows}"
+        )
     if x.device != gate.device or x.device != weight.device:
         raise ValueError(
             f"fused_gated_norm: x, gate and weight must be on one device, got {x.device}, {gate.device}, {weight.device}"

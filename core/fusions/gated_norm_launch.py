@@ -15,6 +15,8 @@ import triton
 
 # Largest head dim the single-pass kernels take: a row lives in registers.
 MAX_HEAD_DIM = 8192
+# Row indices are int32 in the kernels (element offsets are int64).
+MAX_ROWS = 2**31 - 1
 
 
 class ForwardLaunch(NamedTuple):

@@ -50,7 +50,7 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
     (``STRIDE_B == SEQUENCE * STRIDE_S`` or B == 1), which saves a division per row.
 
     The index math stays in the row's integer type (int32 in the kernels: the host checks
-    rows < 2**31) and only the products with the strides are 64-bit (one wide multiply each):
+    rows <= MAX_ROWS) and only the products with the strides are 64-bit (one wide multiply each):
     full 64-bit row math was a third of the forward's instructions."""
     token = row // HEADS
     head = row - token * HEADS
@@ -82,7 +82,7 @@ def _row_pointers(base, rows, cols, SEQUENCE, HEADS: tl.constexpr, STRIDES,
 
 @triton.jit
 def _row_block(block, ROWS, BT: tl.constexpr, col_mask):
-    """Row indices (int32: the host checks ROWS < 2**31), row mask and element mask of row
+    """Row indices (int32: the host checks ROWS <= MAX_ROWS), row mask and element mask of row
     block ``block``."""
     rows = block * BT + tl.arange(0, BT)
     row_mask = rows < ROWS

@@ -11,7 +11,7 @@ The kernel is selected by compile-time switches: NORM_DTYPE=tl.float32 (no inter
 rounding), ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD=False (nothing saved for a backward). The
 2-D ``(num_tokens, num_v_heads * head_v_dim)`` tensors are addressed as ``[1, T, H, D]`` views
 by passing their strides: no copy, no allocation, no host sync, so the call can be captured in
-a CUDA graph. Element offsets are 64-bit inside the kernel (rows, token * head, < 2**31).
+a CUDA graph. Element offsets are 64-bit inside the kernel; row indices (token * head) are 32-bit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATION_DTYPES, gated_norm_fwd
-from core.fusions.gated_norm_launch import MAX_HEAD_DIM, forward_launch
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
@@ -146,8 +146,10 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
         raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
     tokens = shape[0]
     # Element offsets are 64-bit in the kernel; the row (token * head) index is 32-bit.
-    if tokens * num_v_heads >= 2**31:
-        raise ValueError(f"{_NAME}: num_tokens * num_v_heads must be < 2**31, got {tokens} * {num_v_heads}")
+    if tokens * num_v_heads > MAX_ROWS:  # row indices are 32-bit in the kernel
+        raise ValueError(
+            f"{_NAME}: num_tokens * num_v_heads must be <= {MAX_ROWS}, got {tokens} * {num_v_heads}"
+        )
     if tokens:
         for name, t in (("x", x), ("z", z), ("out", out)):
             if t.stride(1) != 1:

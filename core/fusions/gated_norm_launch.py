@@ -15,8 +15,9 @@ import triton
 
 # Largest head dim the single-pass kernels take: a row lives in registers.
 MAX_HEAD_DIM = 8192
-# Row indices are int32 in the kernels (element offsets are int64).
-MAX_ROWS = 2**31 - 1
+# Row indices are int32 in the kernels (element offsets are int64); the margin keeps the indices
+# of a last, partial block of up to 2**16 rows below 2**31.
+MAX_ROWS = 2**31 - 2**16
 
 
 class ForwardLaunch(NamedTuple):

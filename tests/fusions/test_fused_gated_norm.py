@@ -308,7 +308,7 @@ def _bad_inputs():
                      "head dim .* must be <= 8192"),
         # Expanded (memoryless) views with 2**31 rows: row indices are 32-bit in the kernels.
         "rows": ((*(x[:1, :1, :1, :1].expand(2**16, 2**11, 16, 1) for _ in range(2)), weight[:1], EPS),
-                 ValueError, r"x must have at most 2147483647 rows"),
+                 ValueError, r"x must have at most 2147418112 rows"),
         "eps_zero": ((x, gate, weight, 0.0), ValueError, "eps must be a finite number > 0"),
         "eps_negative": ((x, gate, weight, -1e-6), ValueError, "eps must be a finite number > 0"),
         "eps_nan": ((x, gate, weight, math.nan), ValueError, "eps must be a finite number > 0"),

@@ -206,7 +206,7 @@ BAD = {
     # Expanded (memoryless) views with 2**27 tokens * 16 heads = 2**31 rows.
     "rows 2**31": (lambda a: a | {k: a[k][:1].expand(2**27, 16) for k in ("x", "z", "out")}
                    | {"num_v_heads": 16, "head_v_dim": 1, "weight": a["weight"][:1]},
-                   ValueError, r"num_tokens \* num_v_heads must be < 2\*\*31"),
+                   ValueError, r"num_tokens \* num_v_heads must be <= 2147418112"),
     "heads type": (lambda a: a | {"num_v_heads": 2.0}, TypeError, "num_v_heads must be an int"),
     "heads bool": (lambda a: a | {"num_v_heads": True}, TypeError, "num_v_heads must be an int"),
     "dim zero": (lambda a: a | {"head_v_dim": 0}, ValueError, "head_v_dim must be > 0"),

@@ -284,7 +284,8 @@ def host_cost():
     res["ref_torch_empty_us"] = per_call(lambda: xd.new_empty(xd.shape))
     out, rstd = xd.new_empty(xd.shape), xd.new_empty(xd.shape[:3], dtype=torch.float32)
     launch_args = (xd, gd, wd, out, rstd, 128, 8, 128, 16, (0, 1024, 128), (0, 1024, 128),
-                   (0, 1024, 128), True, True, True, EPS, False, 16, 128, fgn.norm_dtype(DTYPE, DTYPE),
+                   (0, 1024, 128), True, True, True, True, True, True, EPS, False, 16, 128,
+                   fgn.norm_dtype(DTYPE, DTYPE),
                    "silu")
     res["ref_triton_launch_us"] = per_call(lambda: fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4))
     # What a direct launcher would cost: the compiled kernel called without JITFunction.run's

@@ -70,23 +70,35 @@ _EXACT_BF16_CAST = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _row_pointers(base, rows, cols, SEQUENCE, HEADS: tl.constexpr, STRIDES,
-                  FLAT_TOKENS: tl.constexpr):
-    """Pointers to the [BT, BLOCK_D] block of ``rows`` of a strided [B, S, H, D] view whose
-    (batch, sequence, head) strides are the tuple STRIDES. The 64-bit offset is added once per
-    row, the columns as 32-bit offsets: 64-bit offsets per element cost ~5 % of the forward's
-    bandwidth on the H200 (tools/forward_variants.py)."""
-    offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
-    return (base + offsets)[:, None] + cols[None, :]
+def _row_pointers(base, row0, rows, cols, SEQUENCE, HEADS: tl.constexpr, D: tl.constexpr,
+                  STRIDES, FLAT_TOKENS: tl.constexpr, DENSE: tl.constexpr):
+    """Pointers to the [BT, BLOCK_D] block of ``rows`` (the first is ``row0``) of a strided
+    [B, S, H, D] view whose (batch, sequence, head) strides are the tuple STRIDES.
+
+    DENSE (``dense_blocks`` on the host): the block's rows lie back to back, D apart. One
+    64-bit offset for the block, then a [BT, D] tile of 32-bit offsets that the compiler sees
+    as contiguous: no address math per row or element (the contiguous experiment of
+    tools/forward_variants.py: ~5 % of the forward's bandwidth on the H200). Otherwise one
+    64-bit offset per row, columns as 32-bit offsets from it."""
+    if DENSE:
+        first = _row_offset(row0, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
+        local = tl.arange(0, rows.shape[0])
+        ptrs = (base + first) + ((local * D)[:, None] + cols[None, :])
+    else:
+        offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2],
+                              FLAT_TOKENS)
+        ptrs = (base + offsets)[:, None] + cols[None, :]
+    return ptrs
 
 
 @triton.jit
 def _row_block(block, ROWS, BT: tl.constexpr, col_mask):
-    """Row indices (int32: the host checks ROWS <= MAX_ROWS), row mask and element mask of row
-    block ``block``."""
-    rows = block * BT + tl.arange(0, BT)
+    """First row, row indices (int32: the host checks ROWS <= MAX_ROWS), row mask and element
+    mask of row block ``block``."""
+    row0 = block * BT
+    rows = row0 + tl.arange(0, BT)
     row_mask = rows < ROWS
-    return rows, row_mask, row_mask[:, None] & col_mask[None, :]
+    return row0, rows, row_mask, row_mask[:, None] & col_mask[None, :]
 
 
 @triton.jit
@@ -151,6 +163,7 @@ def gated_norm_fwd(
     ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
     X_STRIDES, GATE_STRIDES, OUT_STRIDES,
     X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, OUT_FLAT_TOKENS: tl.constexpr,
+    X_DENSE: tl.constexpr, GATE_DENSE: tl.constexpr, OUT_DENSE: tl.constexpr,
     EPS, ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
     NORM_BEFORE_GATE: tl.constexpr = True, STORE_RSTD: tl.constexpr = True,
@@ -166,9 +179,11 @@ def gated_norm_fwd(
     col_mask = cols < D
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     OUT_DTYPE: tl.constexpr = out.dtype.element_ty
-    rows, row_mask, mask = _row_block(tl.program_id(0), ROWS, BT, col_mask)
-    x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
-    g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
+    row0, rows, row_mask, mask = _row_block(tl.program_id(0), ROWS, BT, col_mask)
+    x_ptrs = _row_pointers(x, row0, rows, cols, SEQUENCE, HEADS, D, X_STRIDES, X_FLAT_TOKENS,
+                           X_DENSE)
+    g_ptrs = _row_pointers(gate, row0, rows, cols, SEQUENCE, HEADS, D, GATE_STRIDES,
+                           GATE_FLAT_TOKENS, GATE_DENSE)
     xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     act = _activation(gv, ACTIVATION)
@@ -178,7 +193,8 @@ def gated_norm_fwd(
     y = _round_to(xv * r[:, None] * w[None, :], NORM_DTYPE)
     if NORM_BEFORE_GATE:
         y = y * act
-    o_ptrs = _row_pointers(out, rows, cols, SEQUENCE, HEADS, OUT_STRIDES, OUT_FLAT_TOKENS)
+    o_ptrs = _row_pointers(out, row0, rows, cols, SEQUENCE, HEADS, D, OUT_STRIDES, OUT_FLAT_TOKENS,
+                           OUT_DENSE)
     tl.store(o_ptrs, _round_to(y, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
     if STORE_RSTD:
         tl.store(rstd + rows, r, mask=row_mask)
@@ -190,6 +206,7 @@ def gated_norm_bwd(
     ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
     X_STRIDES, GATE_STRIDES, DY_STRIDES,
     X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, DY_FLAT_TOKENS: tl.constexpr,
+    X_DENSE: tl.constexpr, GATE_DENSE: tl.constexpr, DY_DENSE: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
 ):
@@ -205,10 +222,13 @@ def gated_norm_bwd(
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     dw_acc = tl.zeros((BT, BLOCK_D), dtype=tl.float32)
     for block in range(pid, tl.cdiv(ROWS, BT), tl.num_programs(0)):
-        rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
-        x_ptrs = _row_pointers(x, rows, cols, SEQUENCE, HEADS, X_STRIDES, X_FLAT_TOKENS)
-        g_ptrs = _row_pointers(gate, rows, cols, SEQUENCE, HEADS, GATE_STRIDES, GATE_FLAT_TOKENS)
-        d_ptrs = _row_pointers(dy, rows, cols, SEQUENCE, HEADS, DY_STRIDES, DY_FLAT_TOKENS)
+        row0, rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
+        x_ptrs = _row_pointers(x, row0, rows, cols, SEQUENCE, HEADS, D, X_STRIDES, X_FLAT_TOKENS,
+                               X_DENSE)
+        g_ptrs = _row_pointers(gate, row0, rows, cols, SEQUENCE, HEADS, D, GATE_STRIDES,
+                               GATE_FLAT_TOKENS, GATE_DENSE)
+        d_ptrs = _row_pointers(dy, row0, rows, cols, SEQUENCE, HEADS, D, DY_STRIDES,
+                               DY_FLAT_TOKENS, DY_DENSE)
         xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         dout = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -223,13 +243,14 @@ def gated_norm_bwd(
         dx_v = (wdy - x_hat * c[:, None]) * r[:, None]
         dw_acc += dnorm * x_hat
 
-        row_start = rows.to(tl.int64) * D  # 64-bit per row, 32-bit columns (as in _row_pointers)
+        # dx, dgate: contiguous [ROWS, D], so always a dense tile from a 64-bit block start.
+        block_start = row0.to(tl.int64) * D
+        tile = (tl.arange(0, BT) * D)[:, None] + cols[None, :]
         DX_DTYPE: tl.constexpr = dx.dtype.element_ty
         DG_DTYPE: tl.constexpr = dgate.dtype.element_ty
-        tl.store((dx + row_start)[:, None] + cols[None, :],
-                 _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
-        tl.store((dgate + row_start)[:, None] + cols[None, :],
-                 _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE), mask=mask)
+        tl.store((dx + block_start) + tile, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
+        tl.store((dgate + block_start) + tile, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE),
+                 mask=mask)
     tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
@@ -238,18 +259,32 @@ def gated_norm_bwd(
 # ----------------------------------------------------------------------------------------------
 
 
-def _layout(t: torch.Tensor) -> tuple[tuple[int, int, int], bool]:
-    """(batch, sequence, head) strides of a [B, S, H, D] view and whether tokens are flat.
+def _layout(t: torch.Tensor, bt: int) -> tuple[tuple[int, int, int], bool, bool]:
+    """(batch, sequence, head) strides of a [B, S, H, D] view, whether tokens are flat, and
+    whether blocks of ``bt`` rows are dense (``dense_blocks``).
 
     With flat tokens the kernel never reads the batch stride: pass 0 so that its value (which
     grows with the sequence length) cannot change Triton's specialisation key, i.e. a new token
     count never compiles a new kernel."""
-    batch, seq = t.shape[0], t.shape[1]
+    batch, seq, heads, dim = t.shape
     sb, ss, sh, _ = t.stride()
     if seq == 1:  # one token per sequence: the batch stride is the token stride
         ss = sb
     flat = batch == 1 or sb == seq * ss
-    return (0 if flat else sb, ss, sh), flat
+    return (0 if flat else sb, ss, sh), flat, dense_blocks(bt, heads, dim, ss, sh, flat)
+
+
+def dense_blocks(bt: int, heads: int, dim: int, token_stride: int, head_stride: int,
+                 flat: bool) -> bool:
+    """Whether every block of ``bt`` consecutive rows (blocks start at multiples of ``bt``) lies
+    back to back in memory, one row every ``dim`` elements: heads are ``dim`` apart and the block
+    stays inside one token (``bt`` divides the head count), or tokens are dense too (flat
+    tokens ``heads * dim`` apart). None of it involves the token count, so a new token count
+    never changes the answer (no recompile). True for Megatron's tensors: FLA's contiguous
+    output, the gate slice of the packed projection and the sbhd output buffer."""
+    if head_stride != dim:
+        return False
+    return heads % bt == 0 or (flat and token_stride == heads * dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,13 +320,13 @@ def forward_impl(
         return out, rstd
     cfg = forward_launch(rows, dim, x.device)
     bt = bt or cfg.bt
-    x_strides, x_flat = _layout(x)
-    g_strides, g_flat = _layout(gate)
-    o_strides, o_flat = _layout(out)
+    x_strides, x_flat, x_dense = _layout(x, bt)
+    g_strides, g_flat, g_dense = _layout(gate, bt)
+    o_strides, o_flat, o_dense = _layout(out, bt)
     gated_norm_fwd[(triton.cdiv(rows, bt),)](
         x, gate, weight, out, rstd,
         rows, heads, dim, seq,
-        x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
+        x_strides, g_strides, o_strides, x_flat, g_flat, o_flat, x_dense, g_dense, o_dense,
         eps, zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation,
         num_warps=warps or cfg.warps,
     )
@@ -328,13 +363,13 @@ def backward_impl(
     bt = bt or cfg.bt
     programs = min(programs or cfg.max_programs, triton.cdiv(rows, bt))
     dw_partial = torch.empty((programs, dim), dtype=torch.float32, device=x.device)
-    x_strides, x_flat = _layout(x)
-    g_strides, g_flat = _layout(gate)
-    d_strides, d_flat = _layout(dy)
+    x_strides, x_flat, x_dense = _layout(x, bt)
+    g_strides, g_flat, g_dense = _layout(gate, bt)
+    d_strides, d_flat, d_dense = _layout(dy, bt)
     gated_norm_bwd[(programs,)](
         x, gate, weight, rstd, dy, dx, dgate, dw_partial,
         rows, heads, dim, seq,
-        x_strides, g_strides, d_strides, x_flat, g_flat, d_flat,
+        x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
         zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation,
         num_warps=warps or cfg.warps,
     )

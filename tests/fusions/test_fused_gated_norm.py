@@ -370,6 +370,60 @@ def test_row_offset_is_64_bit(flat_tokens):
     assert torch.equal(out.cpu(), expected)
 
 
+# ------------------------------------------------------------------------------------ dense blocks
+
+
+def _dense(t, bt):
+    return kernel_module._layout(t, bt)[2]
+
+
+def test_megatron_tensors_are_addressed_as_dense_blocks():
+    """FLA's contiguous output, the gate slice of the packed projection and the sbhd output
+    buffer take the dense path (32-bit offsets from one block start) at the H200 heuristics'
+    block sizes, and the answer does not depend on the token count (no recompile)."""
+    for seq in (1, 7, 4096, 4099):
+        for batch in (1, 2):
+            x = torch.empty(batch, seq, 32, 128, device="meta")
+            gate = torch.empty(seq, batch, 3 * 32 * 128, device="meta").transpose(0, 1)[
+                ..., 4096:8192].unflatten(-1, (32, 128))
+            out = torch.empty(seq, batch, 32, 128, device="meta").transpose(0, 1)
+            for t in (x, gate, out):
+                assert _dense(t, 16), (seq, batch, t.stride())
+
+
+def test_dense_blocks_rules():
+    x = torch.empty(2, 5, 4, 64, device="meta")
+    assert _dense(x, 4) and _dense(x, 2)  # bt divides the heads
+    assert _dense(x, 8)  # crosses tokens, but tokens are dense too
+    packed = torch.empty(2, 5, 3 * 4 * 64, device="meta")[..., 256:512].unflatten(-1, (4, 64))
+    assert _dense(packed, 4) and not _dense(packed, 8)  # tokens are 768 apart, not 256
+    sbhd = torch.empty(5, 2, 4, 64, device="meta").transpose(0, 1)
+    assert _dense(sbhd, 4) and not _dense(sbhd, 8)  # not flat: only within a token
+    heads_apart = torch.empty(2, 5, 64, 8, device="meta").transpose(2, 3)[:, :, :4]  # head stride 1
+    assert heads_apart.shape == (2, 5, 4, 64) and not _dense(heads_apart, 4)
+
+
+@pytest.mark.parametrize("bt", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "packed_gate", "sbhd_x_and_gate"])
+def test_dense_and_per_row_addressing_agree(layout, bt, monkeypatch):
+    """The dense path and the per-row 64-bit path compute the same bits (forward and backward),
+    for blocks inside a token (bt divides the 4 heads) and across tokens (bt = 8)."""
+    x, gate, weight = make_inputs((2, 5, 4, 64), torch.bfloat16)
+    x, gate = LAYOUTS[layout](x, gate)
+    dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
+    out_buffer = torch.empty(5, 2, 4, 64, dtype=x.dtype, device=x.device)
+    results = []
+    for dense in (True, False):
+        if not dense:
+            monkeypatch.setattr(kernel_module, "dense_blocks", lambda *args: False)
+        out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt,
+                                               out=out_buffer.transpose(0, 1))
+        grads = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=bt, programs=3)
+        results.append((out.clone(), rstd, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------ launch shapes
 
 

@@ -250,27 +250,16 @@ def measure(seq: int, batch: int, fused: bool) -> dict:
         sync()
         res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     if not ARGS.skip_timing:
-        times = []
-        for _ in range(ARGS.iters if not CPU else 2):
-            if CPU:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-            else:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+        times = timings_ms(step, ARGS.iters if not CPU else 2)
         res["fwd_bwd_ms_median"] = statistics.median(times)
         res["fwd_bwd_ms_min"] = min(times)
     del module
     return res
 
 
-def time_ms(fn, iters: int) -> float:
-    """Median wall time of fn() in ms, CUDA events (CPU smoke: perf_counter)."""
+def timings_ms(fn, iters: int) -> list:
+    """Wall times of ``iters`` calls of fn() in ms (CUDA events; CPU smoke: perf_counter), after
+    3 untimed calls."""
     for _ in range(3):
         fn()
     sync()
@@ -287,7 +276,11 @@ def time_ms(fn, iters: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def time_ms(fn, iters: int) -> float:
+    return statistics.median(timings_ms(fn, iters))
 
 
 def breakdown(seq: int, batch: int) -> dict:

@@ -51,7 +51,7 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 
     The index math stays in the row's integer type (int32 in the kernels: the host checks
     rows <= MAX_ROWS) and only the products with the strides are 64-bit (one wide multiply each):
-    full 64-bit row math was a third of the forward's instructions."""
+    full 64-bit row math took 14 % more instructions in the forward (SASS, sm_90)."""
     token = row // HEADS
     head = row - token * HEADS
     if FLAT_TOKENS:

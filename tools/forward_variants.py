@@ -21,11 +21,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+
+from benchmark import bench, bytes_moved, copy_ceiling  # noqa: E402  (tools/benchmark.py)
 
 # The module, not the function of the same name that core.fusions re-exports.
 _fgn = importlib.import_module("core.fusions.fused_gated_norm")
@@ -80,26 +82,12 @@ def contiguous_fwd(x, gate, weight, out, rstd, ROWS, D: tl.constexpr, EPS,
                OFFSET32, EVICT_FIRST, STREAM_STORE)
 
 
-def bench(fn):
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-def copy_ceiling():
-    n = 1 << 30
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / us / 1e3  # GB/s
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/forward_variants")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    ceiling = copy_ceiling()
+    ceiling = copy_ceiling()["GBps"]
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: copy ceiling {ceiling:.0f} GB/s")
     results = []
     eps = 1e-6
@@ -108,9 +96,9 @@ def main():
         x = torch.randn(1, rows // 32, 32, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)).to(torch.bfloat16)
-        nbytes = 3 * x.numel() * 2 + 4 * rows
+        nbytes = bytes_moved(x.shape)["fwd"]
         ref, _ = _fgn.forward_impl(x, g, w, eps)
-        us = bench(lambda: _fgn.forward_impl(x, g, w, eps))
+        us = bench(lambda: _fgn.forward_impl(x, g, w, eps), rep=200)
         row = {"rows": rows, "D": dim, "variant": "ours (forward_impl)", "us": us,
                "pct": 100 * nbytes / us / 1e3 / ceiling, "bitwise": 1.0}
         results.append(row)
@@ -130,7 +118,7 @@ def main():
             launch()
             torch.cuda.synchronize()
             bitwise = (out == ref).float().mean().item()
-            us = bench(launch)
+            us = bench(launch, rep=200)
             name = (f"bt={bt} w={warps}" + (" loop" if loop else "") + (" off32" if off32 else "")
                     + (" evict_first" if evict else "") + (" .cs store" if cs else ""))
             row = {"rows": rows, "D": dim, "variant": name, "us": us,

@@ -250,17 +250,17 @@ def measure(seq: int, batch: int, fused: bool) -> dict:
         sync()
         res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     if not ARGS.skip_timing:
-        times = timings_ms(step, ARGS.iters if not CPU else 2)
+        times = timings_ms(step, ARGS.iters if not CPU else 2, warmup=0)  # warmed up above
         res["fwd_bwd_ms_median"] = statistics.median(times)
         res["fwd_bwd_ms_min"] = min(times)
     del module
     return res
 
 
-def timings_ms(fn, iters: int) -> list:
+def timings_ms(fn, iters: int, warmup: int = 3) -> list:
     """Wall times of ``iters`` calls of fn() in ms (CUDA events; CPU smoke: perf_counter), after
-    3 untimed calls."""
-    for _ in range(3):
+    ``warmup`` untimed calls."""
+    for _ in range(warmup):
         fn()
     sync()
     times = []

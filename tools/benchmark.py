@@ -283,16 +283,18 @@ def host_cost():
     res["ref_torch_add_us"] = per_call(lambda: xd.add(1))
     res["ref_torch_empty_us"] = per_call(lambda: xd.new_empty(xd.shape))
     out, rstd = xd.new_empty(xd.shape), xd.new_empty(xd.shape[:3], dtype=torch.float32)
-    launch_args = (xd, gd, wd, out, rstd, 128, 8, 128, 16, (0, 1024, 128), (0, 1024, 128),
-                   (0, 1024, 128), True, True, True, True, True, True, EPS, False, 16, 128,
-                   fgn.norm_dtype(DTYPE, DTYPE),
-                   "silu")
-    res["ref_triton_launch_us"] = per_call(lambda: fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4))
-    # What a direct launcher would cost: the compiled kernel called without JITFunction.run's
-    # binding and cache lookup (every argument, defaults included, as JITFunction.run passes).
+    tensors = (xd, gd, wd, out, rstd)
+    scalars = (128, 8, 128, 16, (0, 1024, 128), (0, 1024, 128), (0, 1024, 128),
+               True, True, True, True, True, True, EPS, False, 16, 128,
+               fgn.norm_dtype(DTYPE, DTYPE), "silu", True, True)
+    res["ref_triton_launch_us"] = per_call(
+        lambda: fgn.gated_norm_fwd[(8,)](*tensors, *scalars, num_warps=4))
+    # The project's launcher (core/fusions/direct_launch.py) with the same arguments, and the
+    # compiled kernel called directly: the floor of any Python-side launch.
+    res["direct_launcher_us"] = per_call(lambda: fgn.launch_forward(8, tensors, scalars, 4))
     try:
-        direct = fgn.gated_norm_fwd[(8,)](*launch_args, num_warps=4)[(8, 1, 1)]
-        res["ref_compiled_kernel_launch_us"] = per_call(lambda: direct(*launch_args, True, True))
+        direct = fgn.gated_norm_fwd[(8,)](*tensors, *scalars, num_warps=4)[(8, 1, 1)]
+        res["ref_compiled_kernel_launch_us"] = per_call(lambda: direct(*tensors, *scalars))
     except Exception as e:  # the CompiledKernel call convention is Triton-internal
         log(f"direct launch not measured: {type(e).__name__}: {e}")
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)

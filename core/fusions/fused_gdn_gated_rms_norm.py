@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATION_DTYPES, dense_blocks, gated_norm_fwd
+from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATION_DTYPES, dense_blocks, launch_forward
 from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
@@ -76,16 +76,17 @@ def fused_gdn_gated_rms_norm(
     def strides(t: torch.Tensor) -> tuple[int, int, int]:
         return (0, t.stride(0), head_v_dim)
 
-    gated_norm_fwd[(triton.cdiv(rows, cfg.bt),)](  # one row block per program, as in training
-        x, z, weight, out, None,  # no rstd: STORE_RSTD=False
-        rows, num_v_heads, head_v_dim, tokens,
-        strides(x), strides(z), strides(out), True, True, True,
-        *(dense_blocks(cfg.bt, num_v_heads, head_v_dim, t.stride(0), head_v_dim, True)
-          for t in (x, z, out)),
-        float(eps), False, cfg.bt, cfg.block_d,
-        NORM_DTYPE=tl.float32,  # no intermediate rounding: one rounding at the store
-        ACTIVATION=kernel_activation, NORM_BEFORE_GATE=norm_before_gate, STORE_RSTD=False,
-        num_warps=cfg.warps,
+    launch_forward(  # one row block per program, as in training
+        triton.cdiv(rows, cfg.bt),
+        (x, z, weight, out, None),  # no rstd: STORE_RSTD=False
+        (rows, num_v_heads, head_v_dim, tokens,
+         strides(x), strides(z), strides(out), True, True, True,
+         *(dense_blocks(cfg.bt, num_v_heads, head_v_dim, t.stride(0), head_v_dim, True)
+           for t in (x, z, out)),
+         float(eps), False, cfg.bt, cfg.block_d,
+         tl.float32,  # NORM_DTYPE: no intermediate rounding, one rounding at the store
+         kernel_activation, norm_before_gate, False),  # ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD
+        cfg.warps,
     )
 
 

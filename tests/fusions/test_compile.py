@@ -109,7 +109,9 @@ class _RecordLaunch:
 def _keys(monkeypatch, kernel_name, run):
     binder = _sm90_binder(kernel_name)
     recorder = _RecordLaunch()
-    monkeypatch.setattr(fgn, kernel_name, recorder)
+    launcher = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward}[kernel_name]
+    monkeypatch.setattr(launcher, "kernel", recorder)  # records: returns no compiled kernel to keep
+    monkeypatch.setattr(launcher, "compiled", {})  # so nothing kept from earlier tests bypasses it
     run()
     keys = []
     for args, kwargs in recorder.launches:

@@ -183,8 +183,9 @@ class _LaunchSpy:
 def test_no_input_is_copied(monkeypatch):
     module = kernel_module
     fwd_spy, bwd_spy = _LaunchSpy(module.gated_norm_fwd), _LaunchSpy(module.gated_norm_bwd)
-    monkeypatch.setattr(module, "gated_norm_fwd", fwd_spy)
-    monkeypatch.setattr(module, "gated_norm_bwd", bwd_spy)
+    for launcher, spy in ((module.launch_forward, fwd_spy), (module.launch_backward, bwd_spy)):
+        monkeypatch.setattr(launcher, "kernel", spy)
+        monkeypatch.setattr(launcher, "compiled", {})  # no kernel kept from earlier tests
     x, gate, weight = make_inputs((2, 4, 3, 64), torch.bfloat16)
     x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]

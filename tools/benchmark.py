@@ -514,13 +514,17 @@ def main():
             json.dump(results, f, indent=1, default=str)
 
     impls = {k: v for k, v in implementations(fla_fn).items() if k in args.impls.split(",")}
-    # On the H200 (2026-11-29) the first CUDA-graph capture of the process failed (capture
-    # invalidated) and every later one worked: spend that first capture here, untimed.
-    try:
-        x0, g0, w0, _, _ = make_inputs((1, 16, 8, 128))
-        capture(lambda: fused_gated_norm(x0, g0, w0, EPS))
-    except Exception as e:  # noqa: BLE001
-        log(f"warm-up capture failed ({type(e).__name__}); later captures may still work")
+    # On the H200 (2026-11-29) the first CUDA-graph captures of the process failed (capture
+    # invalidated: the first forward-only one, and in a later run the first forward+backward one)
+    # and every later one worked: spend one of each here, untimed.
+    x0, g0, w0, dy0, leaves0 = make_inputs((1, 16, 8, 128))
+    for name, fn in (("forward", lambda: fused_gated_norm(x0, g0, w0, EPS)),
+                     ("forward+backward", lambda: torch.autograd.grad(
+                         fused_gated_norm(x0, g0, w0, EPS), leaves0, dy0))):
+        try:
+            capture(fn)
+        except Exception as e:  # noqa: BLE001
+            log(f"warm-up capture ({name}) failed ({type(e).__name__}); later ones may still work")
     results["timings"] = []
     for shape, variant in cases:
         b, s, h, d = shape

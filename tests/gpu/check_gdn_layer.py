@@ -3,9 +3,13 @@
 The megatron GatedDeltaNet (core.ssm.GatedDeltaNet from core.models.get_gdn_module_spec, no
 Transformer Engine needed) with FLA's real kernels, bf16, flag on vs off:
 
-  1. parity at S=4096, B=1: output bits and gradients, against megatron's unfused path as it
-     runs in training (jit_fuser = torch.compile) and as written (eager), plus an fp32 copy of
-     the layer as the accuracy reference; flag-off vs flag-off shows FLA's own run-to-run noise;
+  1. parity at S=4096, B=1, in two places:
+     - the norm section on the layer's own tensors (FLA's core_attn_out, the gate view, the
+       gradient arriving at the norm): the fused forward bit for bit against megatron's unfused
+       _apply_gated_norm (eager as written; jit_fuser's compiled version reported), and out, dx,
+       dgate, dweight against float64: the numerics contract;
+     - the whole layer against an fp32 copy of it, flag on vs off (jit and eager): errors of the
+       well-sampled tensors no worse than unfused; flag off twice shows FLA's run-to-run noise;
   2. selective recompute 'gdn_norm_out' with the flag (deterministic_mode: torch.equal expected);
   3. peak memory of forward + backward and fwd+bwd time, on vs off, at Qwen3-Next GDN shapes
      (hidden 2048, 16 key heads, 32 value heads, head dims 128) for S=4096 B=1 and S=8192 B=2;
@@ -71,6 +75,7 @@ else:
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
+from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
 from core.testing.gdn import (build_gdn_module, eager_megatron_gdn, gdn_config,  # noqa: E402
                                randomize_norm_weights)
 
@@ -160,6 +165,84 @@ def check(name: str, ok: bool, detail: str = ""):
 # ------------------------------------------------------------------------------------------------
 
 
+# Layer tensors with this many elements or more estimate their error vs the fp32 layer well; the
+# few-element parameters (A_log, dt_bias: one value per head; out_norm.weight) do not: there the
+# two unfused variants themselves differ by up to 1.9x (H200, 2026-11-29), so they are reported.
+WELL_SAMPLED = 2**16 if not CPU else 2**10  # (the CPU dry run's layer is tiny)
+# A layer-level error may exceed the worse unfused variant's by this factor: FLA's bf16 kernels
+# dominate it; the norm's own contract is checked on the norm section (norm_section_parity).
+LAYER_ERR_SLACK = 1.05
+
+
+def norm_section_inputs(module, x, dy):
+    """The (core_attn_out, gate) that the layer hands its output norm and the gradient arriving
+    at the norm's output, recorded during one forward/backward of ``module``."""
+    seen = {}
+    original = module._apply_gated_norm
+
+    def record(xn, gate):
+        seen["x"], seen["gate"] = xn.detach().clone(), gate.detach().clone()
+        out = original(xn, gate)
+        out.register_hook(lambda g: seen.__setitem__("dout", g.detach().clone()))
+        return out
+
+    module._apply_gated_norm = record
+    try:
+        fwd_bwd(module, x, dy)
+    finally:
+        del module._apply_gated_norm
+    return seen["x"], seen["gate"], seen["dout"]
+
+
+def norm_section_parity(off, on, x_in, dy) -> dict:
+    """The numerics contract on the layer's real tensors: the fused norm against megatron's
+    unfused ``_apply_gated_norm`` (eager as written, and as it runs with jit_fuser), the forward
+    bit for bit and the gradients against a float64 evaluation of the same section."""
+    xn, gate, dout = norm_section_inputs(off, x_in, dy)
+    weight = off.out_norm.weight
+
+    def run(module):
+        leaves = [t.detach().requires_grad_(True) for t in (xn, gate)]
+        module.zero_grad(set_to_none=True)
+        out = module._apply_gated_norm(*leaves)
+        out.backward(dout.reshape(out.shape))
+        # megatron's unfused path returns [B * S * H, D] rows; compare everything as [B, S, H, D]
+        return out.detach().reshape(xn.shape), leaves[0].grad, leaves[1].grad, module.out_norm.weight.grad.detach().clone()
+
+    fused = run(on)
+    with eager_megatron_gdn():
+        eager = run(off)
+    jit = run(off)
+    # float64: the same math with no rounding anywhere (gated_norm_reference.unfused_gated_norm
+    # is exact for float64 tensors; megatron's module would round to fp32 via gate.float()).
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (xn, gate, weight)]
+    out64 = unfused_gated_norm(*leaves64[:2], leaves64[2], off.config.layernorm_epsilon,
+                               on.out_norm_zero_centered, on.gate_activation)
+    out64.backward(dout.double().reshape(out64.shape))
+    exact = (out64.detach().reshape(xn.shape), *[t.grad for t in leaves64])
+    res = {"elements": xn.numel(), "eps": off.config.layernorm_epsilon,
+           "weight_dtype": str(weight.dtype)}
+    res["out_bitwise_vs_eager"] = (fused[0] == eager[0]).float().mean().item()
+    res["out_max_ulp_vs_eager"] = ulp_max(fused[0], eager[0])
+    res["out_bitwise_vs_jit"] = (fused[0] == jit[0]).float().mean().item()
+    res["eager_bitwise_vs_jit"] = (eager[0] == jit[0]).float().mean().item()
+    errs = {}
+    for i, name in ((1, "dx"), (2, "dgate"), (3, "dweight")):
+        errs[name] = {"fused": rel_err(fused[i], exact[i]), "unfused_eager": rel_err(eager[i], exact[i]),
+                      "unfused_jit": rel_err(jit[i], exact[i])}
+    errs["out"] = {"fused": rel_err(fused[0], exact[0]), "unfused_eager": rel_err(eager[0], exact[0]),
+                   "unfused_jit": rel_err(jit[0], exact[0])}
+    res["rel_err_vs_float64"] = errs
+    check("norm section: forward vs unfused eager >= 99.9% bitwise, within 2 ulp (numerics.md)",
+          res["out_bitwise_vs_eager"] >= 0.999 and res["out_max_ulp_vs_eager"] <= 2,
+          f"{res['out_bitwise_vs_eager']:.6f} bitwise, max {res['out_max_ulp_vs_eager']} ulp")
+    worst = max(e["fused"] / max(e["unfused_eager"], 1e-300) for e in errs.values())
+    res["worst_err_ratio_fused_over_eager"] = worst
+    check("norm section: out, dx, dgate, dweight no less accurate than unfused eager (vs float64)",
+          worst <= 1.0 + 1e-3, f"worst err(fused)/err(unfused) = {worst:.5f}")
+    return res
+
+
 def parity(seq: int, batch: int) -> dict:
     off = make_module(False)
     on = make_module(True)
@@ -176,28 +259,34 @@ def parity(seq: int, batch: int) -> dict:
     with eager_megatron_gdn():
         r_eager = fwd_bwd(off, x, dy)
     r_32 = fwd_bwd(ref32, x.float(), dy.float())
+    del ref32
     res = {"shape": f"S={seq} B={batch}"}
+    # Whole layer. One differing norm element changes the whole out_proj row of its token, so
+    # the output's bitwise share says little here (the norm section below is where the bits are
+    # compared); the layer is compared by its error against the fp32 layer.
     for label, other in (("off_jit", r_off), ("off_eager", r_eager), ("off_vs_off", r_off2)):
         a, b = (r_off, r_off2) if label == "off_vs_off" else (r_on, other)
         res[f"out_bitwise_{label}"] = (a[0] == b[0]).float().mean().item()
         res[f"out_max_ulp_{label}"] = ulp_max(a[0], b[0])
-    names = ["input"] + sorted(r_on[2])
-    grads = {}
-    for n in names:
-        pick = (lambda r: r[1]) if n == "input" else (lambda r, n=n: r[2][n])
-        grads[n] = {"err_on": rel_err(pick(r_on), pick(r_32)),
-                    "err_off_jit": rel_err(pick(r_off), pick(r_32)),
-                    "err_off_eager": rel_err(pick(r_eager), pick(r_32))}
-    res["grads_rel_err_vs_fp32"] = grads
-    res["out_rel_err_vs_fp32"] = {"on": rel_err(r_on[0], r_32[0]), "off_jit": rel_err(r_off[0], r_32[0]),
-                                  "off_eager": rel_err(r_eager[0], r_32[0])}
-    check("parity: output vs eager unfused >= 99.9% bitwise (FLA noise excepted)",
-          res["out_bitwise_off_eager"] >= min(0.999, res["out_bitwise_off_vs_off"] - 1e-3),
-          f"{res['out_bitwise_off_eager']:.5f} (off vs off {res['out_bitwise_off_vs_off']:.5f})")
-    worst = max(g["err_on"] / max(g["err_off_eager"], g["err_off_jit"], 1e-12) for g in grads.values())
-    res["worst_grad_err_ratio_on_over_off"] = worst
-    check("parity: grads no less accurate than unfused (vs fp32 layer)", worst <= 1.10,
-          f"worst err(on)/err(off) = {worst:.3f}")
+    check("layer: flag off is deterministic (off vs off bitwise)", res["out_bitwise_off_vs_off"] == 1.0,
+          f"{res['out_bitwise_off_vs_off']:.6f}")
+    picks = {"output": lambda r: r[0], "input": lambda r: r[1]}
+    picks.update({n: (lambda r, n=n: r[2][n]) for n in sorted(r_on[2])})
+    errs = {}
+    for n, pick in picks.items():
+        errs[n] = {"elements": pick(r_on).numel(), "err_on": rel_err(pick(r_on), pick(r_32)),
+                   "err_off_jit": rel_err(pick(r_off), pick(r_32)),
+                   "err_off_eager": rel_err(pick(r_eager), pick(r_32))}
+        errs[n]["ratio_on_over_worse_off"] = errs[n]["err_on"] / max(
+            errs[n]["err_off_jit"], errs[n]["err_off_eager"], 1e-300)
+    res["rel_err_vs_fp32_layer"] = errs
+    sampled = {n: e for n, e in errs.items() if e["elements"] >= WELL_SAMPLED}
+    worst = max(e["ratio_on_over_worse_off"] for e in sampled.values())
+    res["worst_layer_err_ratio_well_sampled"] = worst
+    check(f"layer: output and grads of >= {WELL_SAMPLED} elements as accurate as unfused "
+          f"(vs fp32 layer, x{LAYER_ERR_SLACK} for FLA's noise)", worst <= LAYER_ERR_SLACK,
+          f"worst err(on)/err(off) = {worst:.3f} over {sorted(sampled)}")
+    res["norm_section"] = norm_section_parity(off, on, x, dy)
     return res
 
 
@@ -317,7 +406,9 @@ def breakdown(seq: int, batch: int) -> dict:
             fn().backward(dy)
         return step
 
-    iters = ARGS.iters if not CPU else 2
+    # 5x the layer's iterations: the split is a difference of medians of ~1 ms sections, and
+    # 20 iterations left it noisier than the copies it measures (H200, 2026-11-29).
+    iters = 5 * ARGS.iters if not CPU else 2
     t = {
         "gate_contiguous": time_ms(
             run(lambda: gate_view().contiguous().transpose(0, 1).reshape(seq, batch, -1)), iters),
@@ -406,11 +497,19 @@ def main() -> int:
             check(f"{name} ran", False, traceback.format_exc().splitlines()[-1])
         save_results()  # what is done survives a timeout of a later step
     p = RESULTS.get("parity", {})
-    if "out_bitwise_off_eager" in p:
-        table.append(f"parity {p['shape']}: output bitwise vs unfused eager {p['out_bitwise_off_eager']:.5f} "
-                     f"(max {p['out_max_ulp_off_eager']} ulp), vs unfused jit {p['out_bitwise_off_jit']:.5f}, "
-                     f"unfused vs itself {p['out_bitwise_off_vs_off']:.5f}")
-        table.append(f"parity: worst grad error ratio on/off vs fp32 layer {p['worst_grad_err_ratio_on_over_off']:.3f}")
+    if "norm_section" in p:
+        n = p["norm_section"]
+        table.append(f"parity {p['shape']}, norm section on the layer's tensors: fused vs unfused eager "
+                     f"{n['out_bitwise_vs_eager']:.6f} bitwise (max {n['out_max_ulp_vs_eager']} ulp), "
+                     f"vs unfused jit {n['out_bitwise_vs_jit']:.4f} (eager vs jit {n['eager_bitwise_vs_jit']:.4f})")
+        table.append("  rel err vs float64 (fused / unfused eager / unfused jit): " + ", ".join(
+            f"{k} {e['fused']:.3e}/{e['unfused_eager']:.3e}/{e['unfused_jit']:.3e}"
+            for k, e in n["rel_err_vs_float64"].items()))
+    if "rel_err_vs_fp32_layer" in p:
+        table.append(f"parity {p['shape']}, whole layer vs fp32 layer, err on/off_eager/off_jit:")
+        for k, e in p["rel_err_vs_fp32_layer"].items():
+            table.append(f"  {k:22s} {e['err_on']:.3e} {e['err_off_eager']:.3e} {e['err_off_jit']:.3e}"
+                         f"  ({e['elements']} elements)")
     if "equal" in RESULTS.get("recompute", {}):
         table.append(f"recompute gdn_norm_out {RESULTS['recompute']['shape']}: bitwise equal {RESULTS['recompute']['equal']}")
 

@@ -216,15 +216,24 @@ def time_impl(fn, shape, variant):
     bwd = bench(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))
     # In a graph the backward is captured with its forward: autograd runs each backward op on
     # the stream of its forward op, so a forward recorded outside the capture cannot be used.
+    # Fresh inputs too: leaves whose autograd graph (``out`` above) was built on the default
+    # stream made the first capture of the run fail (AccumulateGrad stream mismatch, H200).
+    del out
+    x, g, w, _, leaves = make_inputs(shape, variant, seed=1)
+    inputs = (x, g, w)
+
     def fwd_bwd():
         return torch.autograd.grad(fn(x, g, w, sbhd), inputs, dy)
 
-    try:
-        fwd_graph = bench_graph(lambda: fn(x, g, w, sbhd))
-        bwd_graph = bench_graph(fwd_bwd) - fwd_graph
-    except Exception as e:  # noqa: BLE001 - a peer that cannot be captured keeps its eager time
-        log(f"graph capture failed: {type(e).__name__}: {e}")
-        fwd_graph = bwd_graph = float("nan")
+    fwd_graph = bwd_graph = float("nan")  # a peer that cannot be captured keeps its eager time
+    for attempt in (1, 2):  # a failed capture has been followed by working ones (H200)
+        try:
+            fwd_graph = bench_graph(lambda: fn(x, g, w, sbhd))
+            bwd_graph = bench_graph(fwd_bwd) - fwd_graph
+            break
+        except Exception as e:  # noqa: BLE001
+            log(f"graph capture failed (attempt {attempt}): {type(e).__name__}: {str(e)[:200]}")
+            torch.cuda.synchronize()
     return fwd, bwd, fwd_graph, bwd_graph
 
 

@@ -423,22 +423,28 @@ def sweep(shapes, ceiling):
                 if bt * triton.next_power_of_2(d) // (32 * warps) < 4:
                     continue  # fewer than 4 elements per thread: not a serious candidate
                 try:
-                    us = bench(lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps), rep=40)
+                    us = bench_graph(lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps))
                 except Exception as e:  # noqa: BLE001 - out of resources etc.
                     log(f"  fwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
                 else:
                     results.append({"kernel": "fwd", "shape": shape, "bt": bt, "warps": warps,
                                     "us": us, "pct": 100 * nbytes["fwd"] / us / 1e3 / ceiling})
-                for per_sm in (4, 8, 16):
+                for per_sm in (1, 2, 4, 8, 16):
                     try:
-                        us = bench(lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
-                                                             programs=sms * per_sm), rep=40)
+                        us = bench_graph(lambda: fgn.backward_impl(
+                            x, g, w, rstd, dy, bt=bt, warps=warps, programs=sms * per_sm))
                     except Exception as e:  # noqa: BLE001
                         log(f"  bwd {shape} bt={bt} warps={warps}: {type(e).__name__}")
                         continue
                     results.append({"kernel": "bwd", "shape": shape, "bt": bt, "warps": warps,
                                     "per_sm": per_sm, "us": us,
                                     "pct": 100 * nbytes["bwd"] / us / 1e3 / ceiling})
+        # The host's share of the backward: the fixed-order sum of the per-program dW partials
+        # and its cast to the weight's dtype (two small torch kernels).
+        partial = torch.zeros(sms * 8, d, device="cuda")
+        us = bench_graph(lambda: partial.sum(0).to(torch.bfloat16))
+        results.append({"kernel": "dw_sum", "shape": shape, "programs": sms * 8, "us": us})
+        log(f"dW partial sum + cast {tuple(partial.shape)}: {us:.2f} us")
         for kernel in ("fwd", "bwd"):
             rows_ = sorted((r for r in results if r["shape"] == shape and r["kernel"] == kernel),
                            key=lambda r: r["us"])
@@ -522,7 +528,7 @@ def main():
             f" -> {'OK' if p['ok'] else 'FAIL'}")
 
     if args.sweep:
-        sweep_shapes = [(1, 4096, 32, 128), (1, 32768, 32, 128), (4, 4096, 16, 256)]
+        sweep_shapes = [(1, 4096, 8, 128), (1, 4096, 32, 128), (1, 32768, 32, 128), (4, 4096, 16, 256)]
         results["sweep"] = sweep(sweep_shapes, ceiling)
         with open(os.path.join(args.out, "benchmark.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)

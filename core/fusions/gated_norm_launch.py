@@ -56,6 +56,12 @@ BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
 
 
+# The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load
+# (<= 2048 x 8 fp32 = 64 per thread with 8 warps), so D / 8 programs read the partials at once.
+DW_SUM_COLUMNS = 8
+DW_SUM_WARPS = 8
+
+
 # CPU (Triton interpreter): every program is emulated in Python with numpy over whole blocks, so
 # a few big blocks are fastest (a training step of the CPU example: 0.58 s -> 0.03 s per
 # forward). Rows are independent and dW stays a fixed-order sum of per-program partials.

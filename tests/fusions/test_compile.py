@@ -109,7 +109,8 @@ class _RecordLaunch:
 def _keys(monkeypatch, kernel_name, run):
     binder = _sm90_binder(kernel_name)
     recorder = _RecordLaunch()
-    launcher = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward}[kernel_name]
+    launcher = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward,
+                "gated_norm_dw_sum": fgn.launch_dw_sum}[kernel_name]
     monkeypatch.setattr(launcher, "kernel", recorder)  # records: returns no compiled kernel to keep
     monkeypatch.setattr(launcher, "compiled", {})  # so nothing kept from earlier tests bypasses it
     run()
@@ -141,7 +142,8 @@ def test_token_count_does_not_change_the_compile_key(monkeypatch, batch):
             dy_sbhd = torch.ones((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
             fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1))
 
-    for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards)):
+    for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards),
+                             ("gated_norm_dw_sum", backwards)):
         keys = _keys(monkeypatch, kernel_name, run)
         assert len(keys) == 2 * len(seqs)
         bshd, sbhd = set(keys[0::2]), set(keys[1::2])

@@ -449,7 +449,7 @@ def sweep(shapes, ceiling):
             rows_ = sorted((r for r in results if r["shape"] == shape and r["kernel"] == kernel),
                            key=lambda r: r["us"])
             log(f"sweep {kernel} {shape}: " + "; ".join(
-                f"bt{r['bt']} w{r['warps']} p{r['per_sm']}: {r['us']:.1f}us {r['pct']:.0f}%"
+                f"bt{r['bt']} w{r['warps']} p{r.get('per_sm', '-')}: {r['us']:.1f}us {r['pct']:.0f}%"
                 for r in rows_[:5]))
     return results
 

@@ -47,11 +47,15 @@ def sm_count(device: torch.device) -> int:
 #   warps was within 1 %, 4096 with 4 warps 9 % slower.
 # - backward: 1024 elements per loop iteration with 4 warps and 8 programs per SM was within
 #   0.5 % of the best at D=128 and the best at D=256 (89 % / 83 %).
+# - forward, third round (`benchmark.py --sweep`, GPU time in CUDA graphs, the real kernel):
+#   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
+#   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
 # Neither depends on the row count (only the grid does), so the compiled kernel never changes
 # with the token count.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
 BACKWARD_ELEMENTS_PER_BLOCK = 1024
 FORWARD_ELEMENTS_PER_THREAD = 16
+FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 128)
 BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
 
@@ -84,8 +88,9 @@ def _interpreter(dim: int) -> BackwardLaunch:
 def _forward(dim: int, sms: int) -> ForwardLaunch:
     block_d = triton.next_power_of_2(dim)
     bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
+    per_thread = FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128 else FORWARD_ELEMENTS_PER_THREAD
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
-    return ForwardLaunch(bt, _warps(bt * block_d, FORWARD_ELEMENTS_PER_THREAD), block_d)
+    return ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -7,7 +7,8 @@ projection, a transposed sbhd view); the kernels address them in place. The norm
 ``dim`` with one weight of shape ``(dim,)`` shared by all heads.
 
 Layers, top to bottom (docs/design.md has the picture):
-  fused_gated_norm -> _FusedGatedNorm -> forward_impl / backward_impl -> gated_norm_fwd / _bwd
+  fused_gated_norm -> _FusedGatedNorm -> forward_impl / backward_impl
+      -> gated_norm_fwd / gated_norm_bwd + gated_norm_dw_sum (through direct_launch.py)
   validate_gated_norm: the host-side checks a Megatron module runs on every fused forward.
 Launch parameters come from ``gated_norm_launch``; numerics are explained in docs/numerics.md.
 """

@@ -400,11 +400,19 @@ def backward_impl(
          zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation),
         warps or cfg.warps,
     )
-    dweight = torch.empty_like(weight)
-    block_p = triton.next_power_of_2(max(programs, cfg.max_programs))
+    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg.max_programs)
+
+
+def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, max_programs: int) -> torch.Tensor:
+    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> dW of ``dtype``. ``max_programs``
+    (the launch heuristics' cap) sizes the kernel's block, so fewer partials (fewer rows) reuse
+    the compiled kernel."""
+    programs, dim = dw_partial.shape
+    dweight = dw_partial.new_empty(dim, dtype=dtype)
+    block_p = triton.next_power_of_2(max(programs, max_programs))
     launch_dw_sum(triton.cdiv(dim, DW_SUM_COLUMNS), (dw_partial, dweight),
                   (programs, dim, block_p, DW_SUM_COLUMNS), DW_SUM_WARPS)
-    return dx, dgate, dweight
+    return dweight
 
 
 # ----------------------------------------------------------------------------------------------

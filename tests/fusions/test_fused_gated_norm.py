@@ -453,3 +453,23 @@ def test_any_block_and_grid_size_gives_the_same_result(bt, programs):
         for got, want in ((out, ref_out), (grads[0], ref_grads[0]), (grads[1], ref_grads[1])):
             assert ulp_distance(got, want).max().item() <= 1
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=8e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ dW partial sum
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype):
+    """Integer-valued partials add exactly in fp32 in any order, so the result must equal the
+    float64 sum rounded once (RTNE) to the weight's dtype: 259 is a bf16 tie (258 | 260) that
+    truncation would get wrong. 37 partials of a 12-wide row: neither fills a block."""
+    gen = torch.Generator().manual_seed(0)
+    partials = torch.randint(-40, 41, (37, 12), generator=gen).float()
+    partials[:, 0] = 0.0
+    partials[:7, 0] = 37.0  # 259
+    partials = partials.to(DEVICE)
+    got = kernel_module.sum_dw_partials(partials, dtype, max_programs=64)
+    want = partials.double().sum(0).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if dtype == torch.bfloat16:
+        assert got[0].item() == 260.0

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from core.fusions.direct_launch import DirectLauncher
-from core.fusions.gated_norm_launch import (DW_SUM_COLUMNS, DW_SUM_WARPS, MAX_HEAD_DIM, MAX_ROWS,
+from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaunch,
                                             backward_launch, forward_launch)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -400,18 +400,18 @@ def backward_impl(
          zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation),
         warps or cfg.warps,
     )
-    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg.max_programs)
+    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg)
 
 
-def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, max_programs: int) -> torch.Tensor:
-    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> dW of ``dtype``. ``max_programs``
-    (the launch heuristics' cap) sizes the kernel's block, so fewer partials (fewer rows) reuse
-    the compiled kernel."""
+def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch) -> torch.Tensor:
+    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> dW of ``dtype``. The kernel's
+    block is sized by ``cfg.max_programs`` (the launch heuristics' cap), so fewer partials (fewer
+    rows) reuse the compiled kernel."""
     programs, dim = dw_partial.shape
     dweight = dw_partial.new_empty(dim, dtype=dtype)
-    block_p = triton.next_power_of_2(max(programs, max_programs))
-    launch_dw_sum(triton.cdiv(dim, DW_SUM_COLUMNS), (dw_partial, dweight),
-                  (programs, dim, block_p, DW_SUM_COLUMNS), DW_SUM_WARPS)
+    block_p = triton.next_power_of_2(max(programs, cfg.max_programs))
+    launch_dw_sum(triton.cdiv(dim, cfg.dw_sum_columns), (dw_partial, dweight),
+                  (programs, dim, block_p, cfg.dw_sum_columns), cfg.dw_sum_warps)
     return dweight
 
 

@@ -31,6 +31,8 @@ class BackwardLaunch(NamedTuple):
     warps: int
     block_d: int
     max_programs: int  # persistent grid size cap (also the number of fp32 dW partials)
+    dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
+    dw_sum_warps: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,6 +64,7 @@ BACKWARD_PROGRAMS_PER_SM = 8
 
 # The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load
 # (<= 2048 x 8 fp32 = 64 per thread with 8 warps), so D / 8 programs read the partials at once.
+# The interpreter pays per program: one program takes the whole row.
 DW_SUM_COLUMNS = 8
 DW_SUM_WARPS = 8
 
@@ -81,7 +84,7 @@ def _warps(elements: int, per_thread: int) -> int:
 def _interpreter(dim: int) -> BackwardLaunch:
     block_d = triton.next_power_of_2(dim)
     return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,
-                          INTERPRETER_PROGRAMS)
+                          INTERPRETER_PROGRAMS, block_d, 1)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,7 +101,7 @@ def _backward(dim: int, sms: int) -> BackwardLaunch:
     block_d = triton.next_power_of_2(dim)
     bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
     return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
-                          sms * BACKWARD_PROGRAMS_PER_SM)
+                          sms * BACKWARD_PROGRAMS_PER_SM, DW_SUM_COLUMNS, DW_SUM_WARPS)
 
 
 def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:

@@ -462,13 +462,15 @@ def test_any_block_and_grid_size_gives_the_same_result(bt, programs):
 def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype):
     """Integer-valued partials add exactly in fp32 in any order, so the result must equal the
     float64 sum rounded once (RTNE) to the weight's dtype: 259 is a bf16 tie (258 | 260) that
-    truncation would get wrong. 37 partials of a 12-wide row: neither fills a block."""
+    truncation would get wrong. 37 partials of a 12-wide row in 8-column programs: neither fills a
+    block."""
     gen = torch.Generator().manual_seed(0)
     partials = torch.randint(-40, 41, (37, 12), generator=gen).float()
     partials[:, 0] = 0.0
     partials[:7, 0] = 37.0  # 259
     partials = partials.to(DEVICE)
-    got = kernel_module.sum_dw_partials(partials, dtype, max_programs=64)
+    cfg = kernel_module.backward_launch(1000, 12, partials.device)
+    got = kernel_module.sum_dw_partials(partials, dtype, cfg._replace(max_programs=64, dw_sum_columns=8))
     want = partials.double().sum(0).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
     if dtype == torch.bfloat16:

@@ -1,6 +1,7 @@
 """Benchmark of the fused gated norm against its peers, on one GPU, in one process.
 
     python tools/benchmark.py [--out DIR] [--quick] [--sweep]
+    python tools/benchmark.py --report benchmark.json [--out DIR]   # no GPU: comparison + plot
 
 Measures, in this order:
   1. the copy-bandwidth ceiling (device-to-device copy, bytes read + written);
@@ -15,7 +16,8 @@ Measures, in this order:
      calling fused_gated_norm, and the number of compiled kernels when only the token count
      changes;
   6. (--sweep) launch parameters (rows per block, warps, grid size) of both kernels.
-Writes benchmark.json and benchmark.png under --out and prints a short table last.
+Writes benchmark.json and benchmark.png (GPU time, % of the ceiling) under --out and prints a
+short table last, then ours against the fastest peer per shape (``peer_comparison``).
 
 Bytes counted (the minimum a fused kernel must move, used for every peer alike):
   forward  = x + gate + out (2 B each per element) + rstd (4 B per row)
@@ -459,6 +461,62 @@ def sweep(shapes, ceiling):
 # ------------------------------------------------------------------------------------------------
 
 
+def peer_comparison(results):
+    """Per timed case, ours against the fastest other implementation in GPU time (the graph
+    columns): forward, backward, and forward + backward together, where the memory floor also
+    bounds what any kernel could gain over that peer. Variants (strided gate, sbhd output) are
+    also compared with the plain layout of the same shape."""
+    plain = {tuple(t["shape"]): t for t in results["timings"] if t["variant"] == "plain"}
+    rows = []
+    for t in results["timings"]:
+        ours = t["impls"].get("ours")
+        if ours is None:
+            continue
+        row = {"label": t["label"], "rows": t["rows"]}
+        totals = {}
+        for name, r in t["impls"].items():
+            total = r["fwd_graph_us"] + r["bwd_graph_us"]
+            if name != "ours" and math.isfinite(total):
+                totals[name] = total
+        for phase in ("fwd", "bwd"):
+            times = {name: r[f"{phase}_graph_us"] for name, r in t["impls"].items()
+                     if name != "ours" and math.isfinite(r[f"{phase}_graph_us"])}
+            if not times:
+                continue
+            best = min(times, key=times.get)
+            row[phase] = {"ours_us": ours[f"{phase}_graph_us"], "ours_pct": ours[f"{phase}_graph_pct"],
+                          "best_peer": best, "best_peer_us": times[best],
+                          "slower_pct": 100 * (ours[f"{phase}_graph_us"] / times[best] - 1)}
+        if totals:
+            best = min(totals, key=totals.get)
+            floor = t["floor_us"]["fwd"] + t["floor_us"]["bwd"]
+            row["fwd_bwd"] = {"best_peer": best, "speedup": totals[best] / (ours["fwd_graph_us"] + ours["bwd_graph_us"]),
+                              "max_possible_speedup": totals[best] / floor}
+        base = plain.get(tuple(t["shape"]))
+        if t["variant"] != "plain" and base is not None and "ours" in base["impls"]:
+            row["vs_plain_pct"] = {phase: 100 * (ours[f"{phase}_graph_us"] / base["impls"]["ours"][f"{phase}_graph_us"] - 1)
+                                   for phase in ("fwd", "bwd")}
+        rows.append(row)
+    return rows
+
+
+def log_peer_comparison(rows):
+    log("\nours vs the fastest peer, GPU time (+ = ours slower):")
+    for row in rows:
+        parts = []
+        for phase in ("fwd", "bwd"):
+            if phase in row:
+                c = row[phase]
+                parts.append(f"{phase} {c['ours_us']:7.1f} us ({c['ours_pct']:3.0f} %) vs {c['best_peer']} "
+                             f"{c['best_peer_us']:7.1f}: {c['slower_pct']:+5.1f} %")
+        if "fwd_bwd" in row:
+            c = row["fwd_bwd"]
+            parts.append(f"fwd+bwd {c['speedup']:.2f}x {c['best_peer']} (floor allows {c['max_possible_speedup']:.2f}x)")
+        if "vs_plain_pct" in row:
+            parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(**row["vs_plain_pct"]))
+        log(f"  {row['label']:28s} " + " | ".join(parts))
+
+
 def plot(results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -471,14 +529,14 @@ def plot(results, path):
     width = 0.8 / len(impls)
     for ax, phase in zip(axes, ("fwd", "bwd")):
         for i, impl in enumerate(impls):
-            vals = [r["impls"].get(impl, {}).get(f"{phase}_pct", 0) for r in results["timings"]]
+            vals = [_plot_pct(r["impls"].get(impl, {}), phase) for r in results["timings"]]
             ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(labels))], vals,
                    width, label=impl)
         ax.axhline(100, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{'forward' if phase == 'fwd' else 'backward'}: % of copy ceiling "
-                     f"({results['ceiling']['GBps']:.0f} GB/s)")
+                     f"({results['ceiling']['GBps']:.0f} GB/s), GPU time (CUDA graph)")
         ax.set_ylim(0, 120)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("% of device-to-device copy bandwidth (higher is better)")
@@ -486,6 +544,12 @@ def plot(results, path):
     fig.suptitle(f"Fused gated RMSNorm, bf16, {results['env']['gpu']} ({results['env']['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_pct(r, phase):
+    """GPU time (graph) where it was measured, else the eager time; 0 when not timed."""
+    pct = r.get(f"{phase}_graph_pct", float("nan"))
+    return pct if math.isfinite(pct) else r.get(f"{phase}_pct", 0)
 
 
 def main():
@@ -497,7 +561,17 @@ def main():
                         help="also time torch.compile peers on the strided/sbhd variants")
     parser.add_argument("--impls", default="ours,eager,compile,compile_casts,fla",
                         help="comma-separated implementations to time")
+    parser.add_argument("--report", metavar="JSON",
+                        help="no timing: print the peer comparison of a benchmark.json and redraw "
+                             "its plot into --out (works without a GPU)")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            results = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        log_peer_comparison(peer_comparison(results))
+        plot(results, os.path.join(args.out, "benchmark.png"))
+        return
     if not torch.cuda.is_available():
         sys.exit("benchmark.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -589,6 +663,7 @@ def main():
             traceback.print_exc()
         log(f"{name}: {checks[name]}")
     results["checks"] = checks
+    results["vs_peers"] = peer_comparison(results)
 
     with open(os.path.join(args.out, "benchmark.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -617,6 +692,7 @@ def main():
     log(f"host cost us/call: {json.dumps({k: round(v, 2) for k, v in hc.items() if isinstance(v, float)})}")
     log(f"cuda graph: {checks.get('cuda_graph')}; compile: {checks.get('compile_fullgraph')}")
     log(f"compile count: {json.dumps(checks.get('compile_count'))}")
+    log_peer_comparison(results["vs_peers"])
     ok = all(p["ok"] for p in results["parity"].values())
     log(f"parity vs unfused: {'OK' if ok else 'FAIL'} "
         f"(min bitwise {min(p['bitwise_equal'] for p in results['parity'].values()):.6%})")

@@ -441,12 +441,15 @@ def sweep(shapes, ceiling):
                     results.append({"kernel": "bwd", "shape": shape, "bt": bt, "warps": warps,
                                     "per_sm": per_sm, "us": us,
                                     "pct": 100 * nbytes["bwd"] / us / 1e3 / ceiling})
-        # The host's share of the backward: the fixed-order sum of the per-program dW partials
-        # and its cast to the weight's dtype (two small torch kernels).
-        partial = torch.zeros(sms * 8, d, device="cuda")
-        us = bench_graph(lambda: partial.sum(0).to(torch.bfloat16))
-        results.append({"kernel": "dw_sum", "shape": shape, "programs": sms * 8, "us": us})
-        log(f"dW partial sum + cast {tuple(partial.shape)}: {us:.2f} us")
+        # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
+        # weight's dtype, by the project's kernel and by torch (sum + cast, what it replaced).
+        cfg = fgn.backward_launch(rows, d, x.device)
+        partial = torch.zeros(cfg.max_programs, d, device=x.device)
+        us = bench_graph(lambda: fgn.sum_dw_partials(partial, DTYPE, cfg))
+        torch_us = bench_graph(lambda: partial.sum(0).to(DTYPE))
+        results.append({"kernel": "dw_sum", "shape": shape, "programs": cfg.max_programs, "us": us,
+                        "torch_us": torch_us})
+        log(f"dW partial sum {tuple(partial.shape)}: {us:.2f} us (torch sum + cast {torch_us:.2f})")
         for kernel in ("fwd", "bwd"):
             rows_ = sorted((r for r in results if r["shape"] == shape and r["kernel"] == kernel),
                            key=lambda r: r["us"])

@@ -308,9 +308,14 @@ def host_cost():
     # The project's launcher (core/fusions/direct_launch.py) with the same arguments, and the
     # compiled kernel called directly: the floor of any Python-side launch.
     res["direct_launcher_us"] = per_call(lambda: fgn.launch_forward(8, tensors, scalars, 4))
+    res["validation_plus_launch_us"] = res["validation_us"] + res["direct_launcher_us"]
     try:
         direct = fgn.gated_norm_fwd[(8,)](*tensors, *scalars, num_warps=4)[(8, 1, 1)]
         res["ref_compiled_kernel_launch_us"] = per_call(lambda: direct(*tensors, *scalars))
+        # The same with addresses instead of tensors (what the direct launcher passes): the
+        # launcher then skips its per-tensor driver query.
+        pointers = [t.data_ptr() for t in tensors]
+        res["ref_compiled_kernel_int_pointers_us"] = per_call(lambda: direct(*pointers, *scalars))
     except Exception as e:  # the CompiledKernel call convention is Triton-internal
         log(f"direct launch not measured: {type(e).__name__}: {e}")
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
@@ -443,7 +448,7 @@ def sweep(shapes, ceiling):
                                     "pct": 100 * nbytes["bwd"] / us / 1e3 / ceiling})
         # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
         # weight's dtype, by the project's kernel and by torch (sum + cast, what it replaced).
-        cfg = fgn.backward_launch(rows, d, x.device)
+        cfg = fgn.backward_launch(d, x.device)
         partial = torch.zeros(cfg.max_programs, d, device=x.device)
         us = bench_graph(lambda: fgn.sum_dw_partials(partial, DTYPE, cfg))
         torch_us = bench_graph(lambda: partial.sum(0).to(DTYPE))

@@ -28,7 +28,9 @@ MAX_KEYS = 1024
 class DirectLauncher:
     """``launch(grid, tensors, scalars, num_warps)`` == ``kernel[(grid,)](*tensors, *scalars,
     num_warps=num_warps)`` for a kernel whose parameters are the tensors followed by the
-    scalars, every parameter passed (defaults included: the compiled kernel takes them all)."""
+    scalars, every parameter passed (defaults included: the compiled kernel takes them all).
+    The tensors are on the current CUDA device, as for ``kernel[grid]``; ``None`` is a null
+    pointer."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -36,31 +38,49 @@ class DirectLauncher:
         self.direct_calls = 0  # observable by tests: how many launches skipped JITFunction.run
 
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
-        compiled = None
         if self.compiled:  # something compiled exists, so there is a driver to ask
             device = driver.active.get_current_device()  # the device JITFunction.run would use
-            compiled = self.compiled.get(_launch_key(device, tensors, scalars, num_warps))
-        if compiled is not None:
-            stream = driver.active.get_current_stream(device)
-            # The call JITFunction.run makes once it has found the kernel (launch hooks
-            # included, for profilers).
-            metadata = compiled.launch_metadata((grid, 1, 1), stream, *tensors, *scalars)
-            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                         metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
-                         *tensors, *scalars)
-            self.direct_calls += 1
-            return
+            pointers = [0 if t is None else t.data_ptr() for t in tensors]
+            compiled = self.compiled.get(_launch_key(device, tensors, pointers, scalars, num_warps))
+            if compiled is not None:
+                self._run(compiled, grid, device, tensors, pointers, scalars)
+                return
         compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=num_warps)
         if compiled is None or not hasattr(compiled, "packed_metadata"):
             return  # the interpreter ran it: nothing compiled to keep
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         device = driver.active.get_current_device()
-        self.compiled[_launch_key(device, tensors, scalars, num_warps)] = compiled
+        pointers = [0 if t is None else t.data_ptr() for t in tensors]
+        self.compiled[_launch_key(device, tensors, pointers, scalars, num_warps)] = compiled
+
+    def _run(self, compiled, grid, device, tensors, pointers, scalars) -> None:
+        """The call JITFunction.run makes once it has found the kernel, with two savings:
+        - pointers go in as integers: the launcher then skips its per-tensor driver query
+          (cuPointerGetAttribute), which only checks that the address is device memory; the
+          first launch of every key went through JITFunction.run, which made that check for
+          tensors of the same device and dtype;
+        - with no launch hook registered (Triton >= 3.7 keeps empty hook chains and calls them
+          on every launch), neither the hooks nor their metadata are built or called.
+        """
+        stream = driver.active.get_current_stream(device)
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _has_hooks(enter) or _has_hooks(exit_):  # a profiler is listening: exactly as Triton
+            metadata = compiled.launch_metadata((grid, 1, 1), stream, *tensors, *scalars)
+        else:
+            metadata = enter = exit_ = None
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                     enter, exit_, *pointers, *scalars)
+        self.direct_calls += 1
 
 
-def _launch_key(device: int, tensors: tuple, scalars: tuple, num_warps: int) -> tuple:
+def _has_hooks(hook) -> bool:
+    """A launch hook (Triton <= 3.6) or a chain of them (>= 3.7: ``.calls``) that calls anything."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_key(device: int, tensors: tuple, pointers: list, scalars: tuple, num_warps: int) -> tuple:
     """Everything JITFunction.run specialises on (module docstring), plus the device the compiled
     kernel is loaded on."""
     return (device, scalars, num_warps,
-            *[None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+            *[None if t is None else (t.dtype, p % 16 == 0) for t, p in zip(tensors, pointers)])

@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATION_DTYPES, dense_blocks, launch_forward
-from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, forward_launch
+from core.fusions.fused_gated_norm import (CPU_RULE, INTERPRETED, SUPPORTED_ACTIVATION_DTYPES,
+                                           dense_blocks, launch_forward)
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, cdiv, forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
@@ -68,7 +68,7 @@ def fused_gdn_gated_rms_norm(
     if tokens == 0:
         return
     rows = tokens * num_v_heads
-    cfg = forward_launch(rows, head_v_dim, x.device)
+    cfg = forward_launch(head_v_dim, x.device)
 
     # [1, T, H, D] strides of the 2-D tensors, built directly instead of through view objects
     # (cheaper on the host). Batch is 1, so tokens are flat and the batch stride is unused: pass
@@ -77,7 +77,7 @@ def fused_gdn_gated_rms_norm(
         return (0, t.stride(0), head_v_dim)
 
     launch_forward(  # one row block per program, as in training
-        triton.cdiv(rows, cfg.bt),
+        cdiv(rows, cfg.bt),
         (x, z, weight, out, None),  # no rstd: STORE_RSTD=False
         (rows, num_v_heads, head_v_dim, tokens,
          strides(x), strides(z), strides(out), True, True, True,
@@ -145,6 +145,8 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
             f"{_NAME}: x, z, weight and out must be on one device, got "
             f"{device}, {z.device}, {weight.device}, {out.device}"
         )
+    if not x.is_cuda and not INTERPRETED:
+        raise ValueError(f"{_NAME}: x must be a CUDA tensor {CPU_RULE}, got device {device}")
     if weight.stride(0) != 1:
         raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
     tokens = shape[0]

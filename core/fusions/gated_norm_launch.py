@@ -1,6 +1,6 @@
 """Launch heuristics of the fused gated norm, kept apart from the kernel bodies.
 
-Parameters are a pure function of (rows, head dim, SM count): no first-call autotuning, so
+Parameters are a pure function of (head dim, device: its SM count): no first-call autotuning, so
 training steps are reproducible and have no warm-up stalls. The numbers come from the sweeps
 recorded in docs/benchmarks.md (H200, bf16).
 """
@@ -11,7 +11,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 
 # Largest head dim the single-pass kernels take: a row lives in registers.
 MAX_HEAD_DIM = 8192
@@ -80,16 +79,30 @@ def _warps(elements: int, per_thread: int) -> int:
     return max(1, min(8, elements // (32 * per_thread)))
 
 
-@functools.lru_cache(maxsize=1024)
+# Host-side integer helpers for the per-call path: triton.cdiv and triton.next_power_of_2 are
+# jit functions that cost ~3 us of host time a call.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _interpreter(dim: int) -> BackwardLaunch:
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,
                           INTERPRETER_PROGRAMS, block_d, 1)
 
 
+# Both are cached on (dim, device): every forward and backward asks, with the same answer.
 @functools.lru_cache(maxsize=1024)
-def _forward(dim: int, sms: int) -> ForwardLaunch:
-    block_d = triton.next_power_of_2(dim)
+def forward_launch(dim: int, device: torch.device) -> ForwardLaunch:
+    """Launch parameters of gated_norm_fwd for rows of ``dim`` elements. The row count only sizes
+    the grid (``cdiv(rows, bt)`` at the call site), so the compiled kernel never depends on it."""
+    if device.type == "cpu":
+        return ForwardLaunch(*_interpreter(dim)[:3])
+    block_d = next_power_of_2(dim)
     bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
     per_thread = FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128 else FORWARD_ELEMENTS_PER_THREAD
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
@@ -97,22 +110,12 @@ def _forward(dim: int, sms: int) -> ForwardLaunch:
 
 
 @functools.lru_cache(maxsize=1024)
-def _backward(dim: int, sms: int) -> BackwardLaunch:
-    block_d = triton.next_power_of_2(dim)
-    bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
-    return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
-                          sms * BACKWARD_PROGRAMS_PER_SM, DW_SUM_COLUMNS, DW_SUM_WARPS)
-
-
-def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:
-    """Launch parameters of gated_norm_fwd; ``rows`` only sizes the grid (at the call site)."""
-    if device.type == "cpu":
-        return ForwardLaunch(*_interpreter(dim)[:3])
-    return _forward(dim, sm_count(device))
-
-
-def backward_launch(rows: int, dim: int, device: torch.device) -> BackwardLaunch:
-    """Launch parameters of gated_norm_bwd; ``rows`` only sizes the grid (at the call site)."""
+def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
+    """Launch parameters of gated_norm_bwd (a persistent grid of at most ``max_programs``) and of
+    the dW partial sum, for rows of ``dim`` elements; independent of the row count."""
     if device.type == "cpu":
         return _interpreter(dim)
-    return _backward(dim, sm_count(device))
+    block_d = next_power_of_2(dim)
+    bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
+    return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
+                          sm_count(device) * BACKWARD_PROGRAMS_PER_SM, DW_SUM_COLUMNS, DW_SUM_WARPS)

@@ -31,10 +31,10 @@ class FakeCompiled:
         self.log = log
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return ("metadata", grid, stream, args)
 
     def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
-        self.log.append(("direct", (g0, g1, g2), stream, function, packed, args))
+        self.log.append(("direct", (g0, g1, g2), stream, function, packed, args, metadata, enter, exit_))
 
 
 class FakeJit:
@@ -83,8 +83,48 @@ def test_same_key_launches_the_compiled_kernel_with_the_same_arguments(fake_driv
     launch(4, (x, None), scalars, 4)
     launch(4, (x, None), scalars, 4)
     assert _kinds(jit.log) == ["jit", "direct"]
-    assert jit.log[1][1:] == ((4, 1, 1), "stream0", "fn-handle", "packed", (x, None, *scalars))
+    # Tensors go in as their addresses (None as a null pointer); no hook is registered, so
+    # none is passed and no launch metadata is built.
+    assert jit.log[1][1:] == ((4, 1, 1), "stream0", "fn-handle", "packed",
+                              (x.data_ptr(), 0, *scalars), None, None, None)
     assert launch.direct_calls == 1
+
+
+class HookChain:
+    """Triton >= 3.7 keeps launch hooks in chains (possibly empty) and calls them per launch."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, metadata):
+        for call in self.calls:
+            call(metadata)
+
+
+def _profiler(metadata):
+    pass
+
+
+@pytest.mark.parametrize("hooks", ["empty chains", "chain", "plain hook"])
+def test_launch_hooks_are_called_exactly_as_triton_would(fake_driver, monkeypatch, hooks):
+    """A profiler's launch hook sees every direct launch with Triton's metadata; empty chains
+    (Triton 3.7's default) are skipped, which calls nothing either way."""
+    enter = {"empty chains": HookChain([]), "chain": HookChain([_profiler]),
+             "plain hook": _profiler}[hooks]
+    exit_ = HookChain([]) if hooks != "plain hook" else None
+    monkeypatch.setattr(direct_launch.knobs.runtime, "launch_enter_hook", enter)
+    monkeypatch.setattr(direct_launch.knobs.runtime, "launch_exit_hook", exit_)
+    jit = FakeJit()
+    launch = DirectLauncher(jit)
+    x = torch.zeros(64)
+    launch(4, (x,), (1,), 4)
+    launch(4, (x,), (1,), 4)
+    *_, metadata, passed_enter, passed_exit = jit.log[1]
+    if hooks == "empty chains":
+        assert (metadata, passed_enter, passed_exit) == (None, None, None)
+    else:
+        assert metadata == ("metadata", (4, 1, 1), "stream0", (x, 1))  # the tensors themselves
+        assert (passed_enter, passed_exit) == (enter, exit_)
 
 
 @pytest.mark.parametrize("change", ["scalar", "stride", "warps", "dtype", "alignment"])

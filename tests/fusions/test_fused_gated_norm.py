@@ -332,6 +332,16 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
         fused_gated_norm(*args)
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """Compiled Triton kernels read device memory: CPU tensors are refused before any launch
+    (Triton itself would fail inside its launcher, or read host addresses on a cached launch)."""
+    monkeypatch.setattr(kernel_module, "INTERPRETED", False)
+    monkeypatch.setattr(kernel_module, "forward_impl", None)  # not reached
+    x, gate, weight = (t.cpu() for t in make_inputs((1, 2, 2, 64), torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be a CUDA tensor .*TRITON_INTERPRET=1.*got device cpu"):
+        fused_gated_norm(x, gate, weight, EPS)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"out_layout": "hbsd"}, "out_layout must be one of"),
     ({"activation": "gelu"}, "activation must be one of"),
@@ -469,7 +479,7 @@ def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype):
     partials[:, 0] = 0.0
     partials[:7, 0] = 37.0  # 259
     partials = partials.to(DEVICE)
-    cfg = kernel_module.backward_launch(1000, 12, partials.device)
+    cfg = kernel_module.backward_launch(12, partials.device)
     got = kernel_module.sum_dw_partials(partials, dtype, cfg._replace(max_programs=64, dw_sum_columns=8))
     want = partials.double().sum(0).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)

@@ -219,6 +219,14 @@ BAD = {
 }
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(mod, "INTERPRETED", False)
+    monkeypatch.setattr(mod, "launch_forward", None)  # not reached
+    args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
+    with torch.no_grad(), pytest.raises(ValueError, match="x must be a CUDA tensor .*got device cpu"):
+        mod.fused_gdn_gated_rms_norm(**args)
+
+
 def _shifted(a):
     """out = x shifted by one head: same shape and strides, different start (partial alias)."""
     buf = torch.zeros(4 * 16 + 8, dtype=torch.bfloat16, device=DEVICE)

@@ -52,15 +52,16 @@ def sm_count(device: torch.device) -> int:
 # - forward, third round (`benchmark.py --sweep`, GPU time in CUDA graphs, the real kernel):
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
-# - forward, small grids (two sweeps, 2026-11-29 and -30): at 32k rows of D=128 (2048 programs
-#   of 16 rows: 16 per SM) 1024 elements with 2 warps took 6.45-6.5 us against 6.7-6.8 for the
-#   regular block; at 131k rows (62 per SM) it was 2.6 % slower. So a grid of fewer than 32
-#   regular programs per SM takes the small block: two compiled variants at most, whatever the
-#   token counts (tests/fusions/test_gated_norm_launch.py).
+# - forward, small grids (three sweeps, 2026-11-29 and -30, D=128): 1024 elements with 2 warps
+#   beat the regular block at 16k rows (4.1 vs 4.3 us) and 32k rows (6.45-6.5 vs 6.7-6.8; 15.5
+#   regular programs per SM) and lost from 49k rows on (10.9 vs 10.1 us; 23 per SM), also at
+#   65k, 98k, 131k. So a grid of fewer than 20 regular programs per SM takes the small block:
+#   two compiled variants at most, whatever the token counts
+#   (tests/fusions/test_gated_norm_launch.py). At D=256 the small block was even at 16k rows.
 # The backward does not depend on the row count (only its grid does), so its compiled kernel
 # never changes with the token count.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
-SMALL_GRID_PROGRAMS_PER_SM = 32
+SMALL_GRID_PROGRAMS_PER_SM = 20
 SMALL_GRID_ELEMENTS_PER_BLOCK = 1024
 SMALL_GRID_ELEMENTS_PER_THREAD = 16
 BACKWARD_ELEMENTS_PER_BLOCK = 1024

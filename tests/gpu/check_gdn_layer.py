@@ -52,10 +52,13 @@ def parse_args():
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
+    p.add_argument("--parts", default="parity,recompute,perf,breakdown",
+                   help="comma-separated parts to run (breakdown alone runs no FLA kernel)")
     return p.parse_args()
 
 
 ARGS = parse_args()
+PARTS = set(ARGS.parts.split(","))
 CPU = ARGS.smoke_cpu
 if CPU:
     from core.testing.cpu import install_cpu_shims
@@ -378,7 +381,14 @@ def breakdown(seq: int, batch: int) -> dict:
     norm input is FLA's contiguous [B, S, H, D] output. Unfused = megatron's code as it runs in
     training (jit_fuser): gate.contiguous() in the input preparation, _apply_gated_norm, then
     reshape + transpose(0, 1).contiguous(). Fused = our module's _apply_gated_norm on the gate
-    view (sbhd output, so the same reshape + transpose + .contiguous() is free)."""
+    view (sbhd output, so the same reshape + transpose + .contiguous() is free).
+
+    The split comes from the GPU time of every kernel (torch.profiler, per step), not from
+    differences of wall-clock medians (which were noisier than the copies they measured): the
+    kernels are sorted into copies (torch's copy kernels: the gate .contiguous(), the transpose to
+    sbhd, their backward, and any cast outside a compiled kernel), fills, and the rest (the norm
+    and gate math forward and backward: compiled Triton kernels, or ours). Gain from the kernels
+    = rest(unfused) - rest(fused); gain from the copies = copies(unfused) - copies(fused)."""
     off, on = make_module(False), make_module(True)
     on.load_state_dict(off.state_dict())
     heads = SHAPES["num_value_heads"] // max(ARGS.tp, 1)
@@ -406,31 +416,61 @@ def breakdown(seq: int, batch: int) -> dict:
             fn().backward(dy)
         return step
 
-    # 5x the layer's iterations: the split is a difference of medians of ~1 ms sections, and
-    # 20 iterations left it noisier than the copies it measures (H200, 2026-11-29).
-    iters = 5 * ARGS.iters if not CPU else 2
-    t = {
-        "gate_contiguous": time_ms(
-            run(lambda: gate_view().contiguous().transpose(0, 1).reshape(seq, batch, -1)), iters),
-        "gate_view_only": time_ms(run(lambda: gate_view().transpose(0, 1).reshape(seq, batch, -1)),
-                                  iters),
-        "unfused_norm": time_ms(run(lambda: off._apply_gated_norm(x, gate_view().contiguous())
-                                    .reshape(batch, seq, -1).transpose(0, 1)), iters),
-        "unfused_norm_and_transpose": time_ms(
-            run(lambda: to_sbhd(off._apply_gated_norm(x, gate_view().contiguous()))), iters),
-        "fused": time_ms(run(lambda: to_sbhd(on._apply_gated_norm(x, gate_view()))), iters),
+    variants = {
+        "unfused": run(lambda: to_sbhd(off._apply_gated_norm(x, gate_view().contiguous()))),
+        "fused": run(lambda: to_sbhd(on._apply_gated_norm(x, gate_view()))),
     }
-    # The bare gate copy, net of the autograd plumbing every variant shares.
-    gate_copy = t["gate_contiguous"] - t["gate_view_only"]
-    kernels_unfused = t["unfused_norm"] - gate_copy
-    transpose = t["unfused_norm_and_transpose"] - t["unfused_norm"]
-    res = {"shape": f"S={seq} B={batch}", "ms": t,
-           "unfused_total_ms": t["unfused_norm_and_transpose"], "fused_total_ms": t["fused"],
-           "gain_ms": t["unfused_norm_and_transpose"] - t["fused"],
-           "gain_from_kernels_ms": kernels_unfused - t["fused"],
-           "gain_from_gate_copy_ms": gate_copy, "gain_from_transpose_copy_ms": transpose}
+    iters = ARGS.iters if not CPU else 2
+    res = {"shape": f"S={seq} B={batch}"}
+    for name, step in variants.items():
+        wall = time_ms(step, iters)  # warms up (and compiles) too
+        kernels = kernel_times_ms(step, iters)
+        groups = {"copies": 0.0, "fills": 0.0, "rest": 0.0}
+        for kernel, ms in kernels.items():
+            groups[kernel_group(kernel)] += ms
+        res[name] = {"wall_ms": wall, "kernel_ms": sum(kernels.values()), **{f"{g}_ms": v for g, v in groups.items()},
+                     "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    u, f = res["unfused"], res["fused"]
+    res.update(gain_wall_ms=u["wall_ms"] - f["wall_ms"], gain_kernel_ms=u["kernel_ms"] - f["kernel_ms"],
+               gain_from_kernels_ms=u["rest_ms"] - f["rest_ms"],
+               gain_from_copies_ms=u["copies_ms"] - f["copies_ms"],
+               gain_from_fills_ms=u["fills_ms"] - f["fills_ms"])
     del off, on
     return res
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    if "copy" in low or "memcpy" in low:
+        return "copies"
+    if "fill" in low or "zero" in low or "memset" in low:
+        return "fills"
+    return "rest"
+
+
+def kernel_times_ms(step, iters: int) -> dict:
+    """GPU time of each kernel of one ``step()`` in ms (the mean over ``iters`` steps), from the
+    profiler's device activity; on the CPU smoke run, the self CPU time of each aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CPU if CPU else ProfilerActivity.CUDA
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            step()
+        sync()
+    times = {}
+    for event in prof.key_averages():
+        if CPU:
+            us = event.self_cpu_time_total if event.key.startswith("aten::") else 0
+        else:
+            if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+                continue
+            us = getattr(event, "self_device_time_total", None)
+            if us is None:  # torch < 2.4
+                us = event.self_cuda_time_total
+        if us:
+            times[event.key] = times.get(event.key, 0.0) + us / 1e3 / iters
+    return times
 
 
 def tp_mode(tp: int, rank: int) -> dict:
@@ -489,6 +529,8 @@ def main() -> int:
     seq_parity = (4096, 1) if not CPU else (64, 2)
     for name, fn, shape in (("parity", parity, seq_parity),
                             ("recompute", recompute, seq_parity)):
+        if name not in PARTS:
+            continue
         log(f"{name} S={shape[0]} B={shape[1]}")
         try:
             RESULTS[name] = fn(*shape)
@@ -515,8 +557,9 @@ def main() -> int:
 
     shapes = [(4096, 1), (8192, 2)] if not CPU else [(64, 2)]
     perf = {}
-    table.append(f"{'shape':14s} {'flag':5s} {'peak MiB':>10s} {'fwd+bwd ms':>11s}")
-    for seq, batch in shapes:
+    if "perf" in PARTS:
+        table.append(f"{'shape':14s} {'flag':5s} {'peak MiB':>10s} {'fwd+bwd ms':>11s}")
+    for seq, batch in shapes if "perf" in PARTS else ():
         for fused in (False, True):
             key = f"S={seq} B={batch} {'on' if fused else 'off'}"
             log(f"measure {key}")
@@ -538,18 +581,20 @@ def main() -> int:
     RESULTS["perf"] = perf
 
     parts = {}
-    table.append("output-norm section alone, fwd+bwd ms (unfused -> fused; gain split):")
-    for seq, batch in shapes:
+    if "breakdown" in PARTS:
+        table.append("output-norm section alone, fwd+bwd ms per step (unfused -> fused; gain split):")
+    for seq, batch in shapes if "breakdown" in PARTS else ():
         log(f"breakdown S={seq} B={batch}")
         try:
             b = parts[f"S={seq} B={batch}"] = breakdown(seq, batch)
         except Exception:
             check(f"breakdown S={seq} B={batch}", False, traceback.format_exc().splitlines()[-1])
             continue
-        table.append(f"  {b['shape']}: {b['unfused_total_ms']:.3f} -> {b['fused_total_ms']:.3f} "
-                     f"(gain {b['gain_ms']:.3f}: kernels {b['gain_from_kernels_ms']:.3f}, "
-                     f"gate copy {b['gain_from_gate_copy_ms']:.3f}, "
-                     f"transpose copy {b['gain_from_transpose_copy_ms']:.3f})")
+        u, f = b["unfused"], b["fused"]
+        table.append(f"  {b['shape']}: wall {u['wall_ms']:.3f} -> {f['wall_ms']:.3f}; GPU kernels "
+                     f"{u['kernel_ms']:.3f} -> {f['kernel_ms']:.3f} (gain {b['gain_kernel_ms']:.3f}: "
+                     f"norm+gate kernels {b['gain_from_kernels_ms']:.3f}, copies "
+                     f"{b['gain_from_copies_ms']:.3f}, fills {b['gain_from_fills_ms']:.3f})")
     RESULTS["breakdown"] = parts
     return finish(rank, table)
 

@@ -20,6 +20,9 @@ def test_check_gdn_layer_smoke_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "check_gdn_layer.json").read_text())
     assert {"parity", "recompute", "perf", "breakdown"} <= set(results)
+    for split in results["breakdown"].values():  # the profiler attributed time to both variants
+        assert split["unfused"]["kernel_ms"] > 0 and split["fused"]["kernel_ms"] > 0
+        assert split["unfused"]["copies_ms"] > split["fused"]["copies_ms"]  # the copies removed
     checks = results["checks"]
     assert any(name.startswith("norm section") for name in checks)
     assert all(c["ok"] for c in checks.values()), checks

@@ -156,21 +156,34 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
             f"{_NAME}: num_tokens * num_v_heads must be <= {MAX_ROWS}, got {tokens} * {num_v_heads}"
         )
     if tokens:
+        token_strides = {}
         for name, t in (("x", x), ("z", z), ("out", out)):
-            if t.stride(1) != 1:
-                raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {t.stride()}")
+            strides = t.stride()
+            if strides[1] != 1:
+                raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {strides}")
+            token_strides[name] = strides[0]
         # Rows of out written by different programs must not share memory (an expanded view).
-        if tokens > 1 and out.stride(0) < width:
+        if tokens > 1 and token_strides["out"] < width:
             raise ValueError(
-                f"{_NAME}: out rows must not overlap each other: token stride {out.stride(0)} < row width {width}"
+                f"{_NAME}: out rows must not overlap each other: token stride {token_strides['out']} "
+                f"< row width {width}"
             )
+        # Byte spans first (cheap, from the strides read above); the exact test only when they meet.
+        size = x.element_size()
+        out_lo = out.data_ptr()
+        out_hi = out_lo + ((tokens - 1) * token_strides["out"] + width) * size
         for name, t in (("x", x), ("z", z)):
-            if t is not out and _overlap(out, t) == "partial":  # `is`: the common in-place call
+            if t is out:  # the common in-place call
+                continue
+            lo = t.data_ptr()
+            hi = lo + ((tokens - 1) * token_strides[name] + width) * size
+            if lo < out_hi and out_lo < hi and _overlap(out, t) == "partial":
                 raise ValueError(
                     f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
                     f"or not overlap it; it partially overlaps {name}"
                 )
-        if _overlap(out, weight) != "none":
+        weight_lo = weight.data_ptr()
+        if weight_lo < out_hi and out_lo < weight_lo + head_v_dim * weight.element_size():
             raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
     if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad or weight.requires_grad or out.requires_grad):
         raise ValueError(

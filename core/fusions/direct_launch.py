@@ -1,10 +1,10 @@
 """Launch a Triton kernel without ``JITFunction.run`` on repeated calls.
 
 ``kernel[grid](...)`` binds every argument, derives Triton's specialisation key and looks the
-compiled kernel up on every call: 24-33 us of host time per launch on the lent H200 VM. The
+compiled kernel up on every call: 21-38 us of host time per launch on the lent H200 VM. The
 fused norm launches in every forward and backward of every GDN layer, so ``DirectLauncher``
-keeps the compiled kernel per *launch key* and calls it directly: 13-16 us, against 10-15 us
-for a bare call of the compiled kernel (docs/benchmarks.md, host cost).
+keeps the compiled kernel per *launch key* and calls it directly: 10-16 us, within 0-2 us of a
+bare call of the compiled kernel (docs/benchmarks.md, host cost).
 
 The launch key must determine Triton's specialisation of every argument. It is built from the
 scalar arguments themselves (every int, stride tuple, flag and constexpr, by value), the

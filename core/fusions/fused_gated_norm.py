@@ -348,7 +348,7 @@ def forward_impl(
     rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
     if rows == 0:
         return out, rstd
-    cfg = forward_launch(rows, dim, x.device)
+    cfg = forward_launch(dim, x.device)
     bt = bt or cfg.bt
     x_strides, x_flat, x_dense = _layout(x, bt)
     g_strides, g_flat, g_dense = _layout(gate, bt)

@@ -68,7 +68,7 @@ def fused_gdn_gated_rms_norm(
     if tokens == 0:
         return
     rows = tokens * num_v_heads
-    cfg = forward_launch(rows, head_v_dim, x.device)
+    cfg = forward_launch(head_v_dim, x.device)
 
     # [1, T, H, D] strides of the 2-D tensors, built directly instead of through view objects
     # (cheaper on the host). Batch is 1, so tokens are flat and the batch stride is unused: pass

@@ -1,8 +1,8 @@
 """Launch heuristics of the fused gated norm, kept apart from the kernel bodies.
 
-Parameters are a pure function of (head dim, SM count) and, for the forward, of whether the
-grid is small (two regimes, so two compiled variants at most): no first-call autotuning, so
-training steps are reproducible and have no warm-up stalls. The numbers come from the sweeps
+Parameters are a pure function of (head dim, SM count): no first-call autotuning, so training
+steps are reproducible and have no warm-up stalls, and never of the row count, so a row's bits do
+not depend on the size of its batch. The numbers come from the sweeps
 recorded in docs/benchmarks.md (H200, bf16).
 """
 
@@ -52,18 +52,14 @@ def sm_count(device: torch.device) -> int:
 # - forward, third round (`benchmark.py --sweep`, GPU time in CUDA graphs, the real kernel):
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
-# - forward, small grids (three sweeps, 2026-11-29 and -30, D=128): 1024 elements with 2 warps
-#   beat the regular block at 16k rows (4.1 vs 4.3 us) and 32k rows (6.45-6.5 vs 6.7-6.8; 15.5
-#   regular programs per SM) and lost from 49k rows on (10.9 vs 10.1 us; 23 per SM), also at
-#   65k, 98k, 131k. So a grid of fewer than 20 regular programs per SM takes the small block:
-#   two compiled variants at most, whatever the token counts
-#   (tests/fusions/test_gated_norm_launch.py). At D=256 the small block was even at 16k rows.
-# The backward does not depend on the row count (only its grid does), so its compiled kernel
-# never changes with the token count.
+# - forward, small grids (fourth round, D=128): 1024 elements with 2 warps beat the regular
+#   block at 16k and 32k rows (6.45 vs 6.8 us) and lost from 49k rows on. Not taken: the block
+#   shape decides a row's reduction tree (rstd can move by an fp32 ulp), so a rows-dependent
+#   choice would make a token's output depend on how many tokens share its batch.
+# Neither kernel's parameters depend on the row count (only the grid does): a row gets the same
+# bits in any batch (tests/fusions/test_gated_norm_launch.py), and a new token count never
+# compiles a new kernel.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
-SMALL_GRID_PROGRAMS_PER_SM = 20
-SMALL_GRID_ELEMENTS_PER_BLOCK = 1024
-SMALL_GRID_ELEMENTS_PER_THREAD = 16
 BACKWARD_ELEMENTS_PER_BLOCK = 1024
 FORWARD_ELEMENTS_PER_THREAD = 16
 FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 128)
@@ -105,32 +101,21 @@ def _interpreter(dim: int) -> BackwardLaunch:
                           INTERPRETER_PROGRAMS, block_d, 1)
 
 
-def forward_launch(rows: int, dim: int, device: torch.device) -> ForwardLaunch:
-    """Launch parameters of gated_norm_fwd for ``rows`` rows of ``dim`` elements: the regular
-    block, or the small one when the regular grid would be small. The grid is ``cdiv(rows, bt)``
-    at the call site; any other row count in the same regime reuses the compiled kernel."""
-    regular, small, small_below_rows = _forward(dim, device)
-    return small if rows < small_below_rows else regular
-
-
-# Cached on (dim, device): every forward and backward asks, with the same answer.
+# Both are cached on (dim, device): every forward and backward asks, with the same answer.
 @functools.lru_cache(maxsize=1024)
-def _forward(dim: int, device: torch.device) -> tuple[ForwardLaunch, ForwardLaunch, int]:
-    """(regular, small-grid, rows below which the small one is used)."""
+def forward_launch(dim: int, device: torch.device) -> ForwardLaunch:
+    """Launch parameters of gated_norm_fwd for rows of ``dim`` elements. The row count only sizes
+    the grid (``cdiv(rows, bt)`` at the call site)."""
     if device.type == "cpu":
-        cfg = ForwardLaunch(*_interpreter(dim)[:3])
-        return cfg, cfg, 0
+        return ForwardLaunch(*_interpreter(dim)[:3])
     block_d = next_power_of_2(dim)
     bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
     per_thread = FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128 else FORWARD_ELEMENTS_PER_THREAD
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
-    regular = ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d)
-    small_bt = max(1, SMALL_GRID_ELEMENTS_PER_BLOCK // block_d)
-    small = ForwardLaunch(small_bt, _warps(small_bt * block_d, SMALL_GRID_ELEMENTS_PER_THREAD), block_d)
-    return regular, small, SMALL_GRID_PROGRAMS_PER_SM * sm_count(device) * bt
+    return ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d)
 
 
-@functools.lru_cache(maxsize=1024)  # on (dim, device), like _forward
+@functools.lru_cache(maxsize=1024)
 def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
     """Launch parameters of gated_norm_bwd (a persistent grid of at most ``max_programs``) and of
     the dW partial sum, for rows of ``dim`` elements; independent of the row count."""

@@ -17,19 +17,24 @@ def _activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
     return torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False):
-    """TE-style RMSNorm: fp32 (or wider) math, one rounding to promote_types(x, weight)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             rstd: torch.Tensor | None = None):
+    """TE-style RMSNorm: fp32 (or wider) math, one rounding to promote_types(x, weight).
+
+    ``rstd``: use these inverse RMS values (one per row) instead of computing them, to separate
+    the order of the sum of squares from everything else (tests/gpu/check_kernels.py)."""
     compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     xf = x.to(compute)
     w = weight.to(compute) + 1 if zero_centered else weight.to(compute)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * w).to(torch.promote_types(x.dtype, weight.dtype))
+    if rstd is None:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * rstd.to(compute)[..., None] * w).to(torch.promote_types(x.dtype, weight.dtype))
 
 
-def unfused_gated_norm(x, gate, weight, eps, zero_centered=False, activation="silu"):
+def unfused_gated_norm(x, gate, weight, eps, zero_centered=False, activation="silu", rstd=None):
     """Megatron's ``_apply_gated_norm``: ``(out_norm(x) * act(gate.float())).to(x.dtype)``."""
     compute = torch.promote_types(gate.dtype, torch.float32)
-    y = rms_norm(x, weight, eps, zero_centered)
+    y = rms_norm(x, weight, eps, zero_centered, rstd)
     return (y * _activation(gate.to(compute), activation)).to(x.dtype)
 
 

@@ -59,3 +59,14 @@ def test_report_mode_needs_no_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ours vs the fastest peer" in proc.stdout and "1x32768x32x128" in proc.stdout
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("variant", ["plain", "strided_gate", "sbhd"])
+def test_parity_check_runs_and_passes(monkeypatch, variant):
+    """The benchmark's parity step (it runs before any timing on the GPU), on the CPU: equal to
+    the unfused path, and equal with our rstd as well (the verdict the benchmark prints)."""
+    benchmark = _benchmark_module()
+    monkeypatch.setattr(benchmark, "DEVICE", "cpu")
+    result = benchmark.parity((1, 8, 2, 64), variant)
+    assert result["ok"] and result["bitwise_equal_given_rstd"] == 1.0
+    assert result["bitwise_equal"] == 1.0 and result["max_ulp"] == 0

@@ -58,8 +58,8 @@ class DirectLauncher:
         """The call JITFunction.run makes once it has found the kernel, with two savings:
         - pointers go in as integers: the launcher then skips its per-tensor driver query
           (cuPointerGetAttribute), which only checks that the address is device memory; the
-          first launch of every key went through JITFunction.run, which made that check for
-          tensors of the same device and dtype;
+          callers' validation requires CUDA tensors (check_gated_norm_inputs), and the first
+          launch of every key went through JITFunction.run, which made the check itself;
         - with no launch hook registered (Triton >= 3.7 keeps empty hook chains and calls them
           on every launch), neither the hooks nor their metadata are built or called.
         """

@@ -30,7 +30,6 @@ from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaun
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUPPORTED_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_ACTIVATIONS = ("silu", "sigmoid")
 OUT_LAYOUTS = ("bshd", "sbhd")
 

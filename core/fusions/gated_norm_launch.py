@@ -57,7 +57,7 @@ def sm_count(device: torch.device) -> int:
 #   shape decides a row's reduction tree (rstd can move by an fp32 ulp), so a rows-dependent
 #   choice would make a token's output depend on how many tokens share its batch.
 # Neither kernel's parameters depend on the row count (only the grid does): a row gets the same
-# bits in any batch (tests/fusions/test_gated_norm_launch.py), and a new token count never
+# bits in any batch (test_rows_get_the_same_bits_in_any_batch), and a new token count never
 # compiles a new kernel.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
 BACKWARD_ELEMENTS_PER_BLOCK = 1024

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "docs" / "benchmark_h200.json"
@@ -63,10 +64,13 @@ def test_report_mode_needs_no_gpu(tmp_path):
 
 @pytest.mark.parametrize("variant", ["plain", "strided_gate", "sbhd"])
 def test_parity_check_runs_and_passes(monkeypatch, variant):
-    """The benchmark's parity step (it runs before any timing on the GPU), on the CPU: equal to
-    the unfused path, and equal with our rstd as well (the verdict the benchmark prints)."""
+    """The benchmark's parity step (it runs before any timing), on whatever device runs the
+    suite: equal to the unfused path once given our rstd (the verdict the benchmark prints); on
+    the CPU, where the summation orders agree, equal outright."""
     benchmark = _benchmark_module()
-    monkeypatch.setattr(benchmark, "DEVICE", "cpu")
+    on_gpu = torch.cuda.is_available()
+    monkeypatch.setattr(benchmark, "DEVICE", "cuda" if on_gpu else "cpu")
     result = benchmark.parity((1, 8, 2, 64), variant)
     assert result["ok"] and result["bitwise_equal_given_rstd"] == 1.0
-    assert result["bitwise_equal"] == 1.0 and result["max_ulp"] == 0
+    if not on_gpu:
+        assert result["bitwise_equal"] == 1.0 and result["max_ulp"] == 0

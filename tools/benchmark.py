@@ -45,7 +45,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.fusions.fused_gated_norm import fused_gated_norm  # noqa: E402
-from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
+from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm  # noqa: E402
 
 fgn = importlib.import_module("core.fusions.fused_gated_norm")
 
@@ -176,13 +176,6 @@ def bytes_moved(shape):
     b, s, h, d = shape
     n, rows = b * s * h * d, b * s * h
     return {"fwd": 3 * n * 2 + 4 * rows, "bwd": 5 * n * 2 + 4 * rows, "infer": 3 * n * 2}
-
-
-def ulp_distance(a, b):
-    def ordered(t):
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -32768 - i, i)
-    return (ordered(a) - ordered(b)).abs()
 
 
 def parity(shape, variant):

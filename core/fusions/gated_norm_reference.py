@@ -4,7 +4,7 @@
 rounding, then the fp32 gate product, then a second rounding): the training kernels must equal
 it bit for bit. ``one_rounding_gated_norm`` is vLLM's / FLA's semantics (fp32 throughout, one
 rounding at the end), used by the inference entry point. Called with float64 tensors, both are
-the exact references for error measurements.
+the exact references for error measurements. ``ulp_distance`` is the one ulp measure.
 """
 
 from __future__ import annotations
@@ -48,3 +48,23 @@ def one_rounding_gated_norm(x, gate, weight, eps, norm_before_gate=True, activat
     if norm_before_gate:
         y = y * act
     return y.to(x.dtype)
+
+
+# Integer type of the same width, and a wider one for the differences.
+_BITS = {torch.bfloat16: (torch.int16, torch.int32), torch.float16: (torch.int16, torch.int32),
+         torch.float32: (torch.int32, torch.int64)}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place between two tensors of one dtype (bf16,
+    fp16 or fp32): the bit patterns mapped to monotone integers, so a distance across zero
+    counts the values in between and +0 / -0 are 0 apart."""
+    bits, wide = _BITS[a.dtype]
+    lowest = torch.iinfo(bits).min
+
+    def ordered(t):
+        i = t.view(bits).to(wide)
+        return torch.where(i < 0, lowest - i, i)  # sign-magnitude -> monotone integers
+
+    return (ordered(a) - ordered(b)).abs()
+

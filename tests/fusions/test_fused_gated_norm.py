@@ -12,7 +12,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
-from core.fusions.gated_norm_reference import unfused_gated_norm
+from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -27,17 +27,6 @@ def make_inputs(shape, dtype, weight_dtype=None, seed=0):
     gate = (2 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
     weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
     return x, gate, weight
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place between two tensors of one 16-bit dtype."""
-    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-
-    def ordered(t):
-        i = t.view(ints).to(torch.int32)
-        return torch.where(i < 0, -32768 - i, i)  # sign-magnitude -> monotone integers
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 def assert_matches_unfused(out, ref):

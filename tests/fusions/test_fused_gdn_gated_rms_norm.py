@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.fusions import fused_gdn_gated_rms_norm
-from core.fusions.gated_norm_reference import one_rounding_gated_norm
+from core.fusions.gated_norm_reference import one_rounding_gated_norm, ulp_distance
 
 # The package attribute of this name is the function, so `import ... as mod` would get it.
 mod = importlib.import_module("core.fusions.fused_gdn_gated_rms_norm")
@@ -44,14 +44,6 @@ def make(tokens, heads, dim, dtype, layout, weight_dtype=None, seed=0):
         z = (2 * torch.randn(tokens, width, generator=gen)).to(DEVICE, dtype)
     out = x if layout.startswith("inplace") else torch.full_like(x, float("nan"))
     return x, z, weight, out
-
-
-def ulp_distance(a, b):
-    """Distance in units in the last place between two tensors of one 16-bit dtype."""
-    def ordered(t):
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -32768 - i, i)  # sign-magnitude -> monotone integers
-    return (ordered(a) - ordered(b)).abs()
 
 
 def assert_one_rounding(out, ref):

@@ -78,7 +78,7 @@ else:
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
+from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm  # noqa: E402
 from core.testing.gdn import (build_gdn_module, eager_megatron_gdn, gdn_config,  # noqa: E402
                                randomize_norm_weights)
 
@@ -151,8 +151,7 @@ def fwd_bwd(module, x, dy):
 
 
 def ulp_max(a, b):
-    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
-    return int((ai - bi).abs().max().item()) if a.numel() else 0
+    return int(ulp_distance(a, b).max().item()) if a.numel() else 0
 
 
 def rel_err(t, ref):

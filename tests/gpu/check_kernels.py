@@ -21,7 +21,7 @@ import sys
 import torch
 
 from core.fusions.fused_gated_norm import fused_gated_norm
-from core.fusions.gated_norm_reference import unfused_gated_norm
+from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm
 
 EPS = 1e-6
 
@@ -76,17 +76,6 @@ def determinism_check() -> dict:
     return {"identical_bits": all(torch.equal(a, b) for a, b in zip(first, second))}
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place, for two tensors of one float dtype (monotone ints)."""
-    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
-
-    def ordered(t):
-        i = t.view(ints).to(torch.int64)
-        return torch.where(i < 0, -(2 ** (8 * t.element_size() - 1)) - i, i)
-
-    return (ordered(a) - ordered(b)).abs()
-
-
 def parity_sources_check() -> dict:
     import importlib
 
@@ -108,16 +97,16 @@ def parity_sources_check() -> dict:
     return {
         "elements": out.numel(), "rows": rstd.numel(),
         "out_vs_unfused": {"differ": differs.float().mean().item(),
-                           "max_ulp": _ulps(out, ref).max().item()},
+                           "max_ulp": ulp_distance(out, ref).max().item()},
         "rows_with_a_difference": rows_differ.sum().item(),
         "of_them_rstd_differs": (rows_differ & rstd_differs).sum().item(),
         "rstd_vs_torch": {"differ": rstd_differs.float().mean().item(),
-                          "max_ulp": _ulps(rstd, rstd_torch).max().item()},
+                          "max_ulp": ulp_distance(rstd, rstd_torch).max().item()},
         "rstd_vs_correctly_rounded": {
             "ours_differ": (rstd != rstd_exact).float().mean().item(),
             "torch_differ": (rstd_torch != rstd_exact).float().mean().item()},
         "out_vs_unfused_with_our_rstd": {"differ": (out != ref_our_rstd).float().mean().item(),
-                                         "max_ulp": _ulps(out, ref_our_rstd).max().item()},
+                                         "max_ulp": ulp_distance(out, ref_our_rstd).max().item()},
     }
 
 

@@ -38,9 +38,9 @@ class DirectLauncher:
         self.direct_calls = 0  # observable by tests: how many launches skipped JITFunction.run
 
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
+        pointers = [0 if t is None else t.data_ptr() for t in tensors]
         if self.compiled:  # something compiled exists, so there is a driver to ask
             device = driver.active.get_current_device()  # the device JITFunction.run would use
-            pointers = [0 if t is None else t.data_ptr() for t in tensors]
             compiled = self.compiled.get(_launch_key(device, tensors, pointers, scalars, num_warps))
             if compiled is not None:
                 self._run(compiled, grid, device, tensors, pointers, scalars)
@@ -51,7 +51,6 @@ class DirectLauncher:
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         device = driver.active.get_current_device()
-        pointers = [0 if t is None else t.data_ptr() for t in tensors]
         self.compiled[_launch_key(device, tensors, pointers, scalars, num_warps)] = compiled
 
     def _run(self, compiled, grid, device, tensors, pointers, scalars) -> None:

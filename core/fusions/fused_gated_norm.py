@@ -615,9 +615,8 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
                 raise ValueError(f"fused_gated_norm: {name} must have last-dim stride 1, got strides {t.stride()}")
     if dim and weight.stride()[0] != 1:
         raise ValueError(f"fused_gated_norm: weight must be contiguous, got stride {weight.stride()}")
-    if type(eps) is not float and (not isinstance(eps, (float, int)) or isinstance(eps, bool)):
-        raise ValueError(f"fused_gated_norm: eps must be a finite number > 0, got {eps!r}")
-    if not 0 < eps < math.inf:  # also rejects NaN
+    number = type(eps) is float or (isinstance(eps, (float, int)) and not isinstance(eps, bool))
+    if not number or not 0 < eps < math.inf:  # the comparison also rejects NaN
         raise ValueError(f"fused_gated_norm: eps must be a finite number > 0, got {eps!r}")
 
 

@@ -53,8 +53,10 @@ def sm_count(device: torch.device) -> int:
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
 # - forward, small grids (fourth round, D=128): 1024 elements with 2 warps beat the regular
-#   block at 16k and 32k rows (6.45 vs 6.8 us) and lost from 49k rows on. Not taken: the block
-#   shape decides a row's reduction tree (rstd can move by an fp32 ulp), so a rows-dependent
+#   block at 16k and 32k rows (6.45 vs 6.8 us) and lost from 49k rows on. Not taken: a row's
+#   reduction tree follows its layout along the row (elements per thread, lanes, warps; rstd
+#   can move by an fp32 ulp), and for rows that are not 16-byte aligned 2 warps lay a row out
+#   differently from 8 (compiled for sm_90: docs/benchmarks.md, notes), so a rows-dependent
 #   choice would make a token's output depend on how many tokens share its batch.
 # Neither kernel's parameters depend on the row count (only the grid does): a row gets the same
 # bits in any batch (test_rows_get_the_same_bits_in_any_batch), and a new token count never

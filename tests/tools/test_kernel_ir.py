@@ -1,0 +1,49 @@
+"""tools/kernel_ir.py compiles the kernels for sm_90 without a GPU (even when the test session
+runs the interpreter) and reports the row reduction's layout, which decides a row's bits.
+Checks the claims of docs/benchmarks.md (notes, "What decides a row's bits") on Triton's real
+compiler output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kernel_ir(*args: str) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # the tool must compile anyway
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_ir.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def layouts(reports):
+    return [tuple(r["row_layout"][0].values()) for r in reports]
+
+
+def test_aligned_rows_keep_their_layout_with_fewer_warps():
+    # D = 128, bf16: the regular block (16 rows, 8 warps) and the small-grid block (8 rows,
+    # 2 warps) both give a row 8 elements x 16 lanes of one warp.
+    reports = kernel_ir("--dim", "128", "--bt", "16", "--warps", "8", "--bt", "8", "--warps", "2")
+    assert layouts(reports) == [(8, 16, 1), (8, 16, 1)]
+    assert all(r["sass_instructions"] > 100 for r in reports)
+
+
+def test_unaligned_rows_spread_over_the_blocks_warps():
+    # One element per thread: the row spans 4 of the regular block's 8 warps, 2 of the small
+    # block's 2, so the two blocks sum a row in different orders.
+    reports = kernel_ir("--dim", "128", "--bt", "16", "--warps", "8", "--bt", "8", "--warps", "2",
+                        "--unaligned")
+    assert layouts(reports) == [(1, 32, 4), (1, 32, 2)]
+
+
+def test_backward_row_layout_at_d256_fp32():
+    (report,) = kernel_ir("--kernel", "bwd", "--dim", "256", "--dtype", "fp32", "--bt", "4",
+                          "--warps", "4")
+    assert report["kernel"] == "bwd"
+    assert layouts([report]) == [(4, 32, 2)]  # 16-byte fp32 vectors, 64 lanes: two warps per row

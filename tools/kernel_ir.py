@@ -1,0 +1,160 @@
+"""Compile the fused gated norm's kernels for an sm_90 GPU (H100/H200) on any machine, no GPU
+needed, and report what the GPU would run: the layout of the row reduction and the SASS size.
+
+    python tools/kernel_ir.py --dim 128 --bt 16 --warps 8 [--bt 8 --warps 2] [--unaligned]
+    python tools/kernel_ir.py --kernel bwd --dim 128 --bt 8 --warps 4 --dump /tmp/ir
+
+Each ``--bt``/``--warps`` pair is one launch configuration; the arguments are exactly the ones
+``forward_impl`` / ``backward_impl`` pass (their launch is recorded, not run). ``row_layout`` is
+the reduction operand's layout along the row (sizePerThread, threadsPerWarp, warpsPerCTA of the
+last axis): it decides the order of a row's fp32 sum of squares, so two configurations with the
+same row layout give every row the same bits (docs/benchmarks.md, notes). ``--unaligned`` offsets
+every [B, S, H, D] tensor by one element (no 16-byte alignment). Uses Triton internals
+(``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret (before triton is imported)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton._utils import find_paths_if, get_iterable_path  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+fgn = importlib.import_module("core.fusions.fused_gated_norm")
+
+SM90 = GPUTarget("cuda", 90, 32)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel inside a DirectLauncher: keeps the launch arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+@contextlib.contextmanager
+def _recording(launcher):
+    kernel, compiled = launcher.kernel, launcher.compiled
+    launcher.kernel, launcher.compiled = _Recorder(), {}
+    try:
+        yield launcher.kernel.launches
+    finally:
+        launcher.kernel, launcher.compiled = kernel, compiled
+
+
+def _tensor(shape, dtype, unaligned):
+    numel = 1
+    for s in shape:
+        numel *= s
+    flat = torch.zeros(numel + unaligned, dtype=dtype)
+    return flat[unaligned:].view(shape)
+
+
+def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: int,
+                     unaligned: bool = False) -> tuple[tuple, dict]:
+    """The arguments forward_impl (kernel "fwd") or backward_impl ("bwd") passes to its kernel
+    for a [2, 64, 4, dim] input with this block."""
+    shape = (2, 64, 4, dim)
+    x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
+    weight = torch.ones(dim, dtype=dtype)
+    if kernel == "fwd":
+        with _recording(fgn.launch_forward) as launches:
+            fgn.forward_impl(x, gate, weight, 1e-6, bt=bt, warps=warps,
+                             out=_tensor(shape, dtype, int(unaligned)))
+    else:
+        rstd = torch.ones(shape[:3])
+        with _recording(fgn.launch_backward) as launches, _recording(fgn.launch_dw_sum):
+            fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps)
+    return launches[0]
+
+
+def compile_sm90(kernel: str, args: tuple, kwargs: dict):
+    """What JITFunction.run compiles for these arguments, for an sm_90 target."""
+    jit = getattr(fgn, {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd"}[kernel])
+    jit = JITFunction(getattr(jit, "fn", jit), do_not_specialize=fgn.PER_STEP_ARGS)
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    kinds = [s[0] for s in specialization]
+    constexprs = {path: get_iterable_path(list(bound.values()), path)
+                  for path in find_paths_if(kinds, lambda _, v: v == "constexpr")}
+    attrs = [s[1] for s in specialization]
+    attrs = {path: backend.parse_attr(get_iterable_path(attrs, path))
+             for path in find_paths_if(attrs, lambda _, v: isinstance(v, str))}
+    source = ASTSource(jit, dict(zip([p.name for p in jit.params], kinds)), constexprs, attrs)
+    return triton.compile(source, target=SM90, options=dict(options))
+
+
+def row_layouts(ttgir: str) -> list[dict]:
+    """Per ``tt.reduce`` along axis 1: the operand's layout along the row."""
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M))
+    found = []
+    for layout in re.findall(r'"tt\.reduce".*?<\{axis = 1 : i32\}>.*?\}\) : \(tensor<[^,]*, (#\w+)>',
+                             ttgir, re.S):
+        fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", layouts[layout]))
+        found.append({k: int(fields[k].split(",")[-1]) for k in
+                      ("sizePerThread", "threadsPerWarp", "warpsPerCTA")})
+    return found
+
+
+def sass_instructions(cubin: bytes) -> int:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], check=True, capture_output=True,
+                              text=True).stdout
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))
+
+
+def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: bool,
+             dump: str | None = None) -> dict:
+    compiled = compile_sm90(kernel, *launch_arguments(kernel, dim, DTYPES[dtype], bt, warps, unaligned))
+    if dump:
+        base = Path(dump) / f"{kernel}_d{dim}_{dtype}_bt{bt}_w{warps}{'_unaligned' if unaligned else ''}"
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            base.with_suffix(f".{ext}").write_text(compiled.asm[ext])
+    return {"kernel": kernel, "dim": dim, "dtype": dtype, "bt": bt, "warps": warps,
+            "unaligned": unaligned, "row_layout": row_layouts(compiled.asm["ttgir"]),
+            "sass_instructions": sass_instructions(compiled.asm["cubin"])}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--bt", type=int, action="append", required=True)
+    parser.add_argument("--warps", type=int, action="append", required=True)
+    parser.add_argument("--unaligned", action="store_true")
+    parser.add_argument("--dump", help="folder for the TTGIR and PTX of each configuration")
+    args = parser.parse_args(argv)
+    if len(args.bt) != len(args.warps):
+        parser.error("give one --warps per --bt")
+    print(json.dumps([describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned, args.dump)
+                      for bt, warps in zip(args.bt, args.warps)], indent=1))
+
+
+if __name__ == "__main__":
+    main()

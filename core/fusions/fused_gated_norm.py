@@ -345,7 +345,7 @@ def forward_impl(
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
-    if rows == 0:
+    if rows == 0 or dim == 0:  # nothing to normalise (rstd of an empty row is never read)
         return out, rstd
     cfg = forward_launch(dim, x.device)
     bt = bt or cfg.bt
@@ -386,7 +386,7 @@ def backward_impl(
     rows = batch * seq * heads
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    if rows == 0:
+    if rows == 0 or dim == 0:
         return dx, dgate, torch.zeros_like(weight)
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
@@ -554,8 +554,9 @@ def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, 
     """``fused_gated_norm`` without its input checks, for a caller that has just run them (the
     Megatron module runs ``validate_gated_norm``, which includes them): they are not repeated on
     the hot path. Picks the eager autograd Function or, under torch.compile, the custom op."""
+    eps = float(eps)  # an int eps would compile another kernel variant (1 is specialised)
     if torch.compiler.is_compiling():
-        buffer, _ = _gated_norm_fwd_op(x, gate, weight, float(eps), zero_centered, out_layout, activation)
+        buffer, _ = _gated_norm_fwd_op(x, gate, weight, eps, zero_centered, out_layout, activation)
         return _as_bshd(buffer, out_layout)
     return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation)
 

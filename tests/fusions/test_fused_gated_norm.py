@@ -41,10 +41,23 @@ def assert_matches_unfused(out, ref):
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
 
 
-def float64_grads(x, gate, weight, dy, zero_centered):
-    leaves = [t.detach().double().requires_grad_() for t in (x, gate, weight)]
-    out = unfused_gated_norm(*leaves, EPS, zero_centered)
-    return torch.autograd.grad(out, leaves, dy.double())
+def grads(fn, x, gate, weight, dy, zero_centered=False, activation="silu"):
+    """(dx, dgate, dweight) of ``fn`` (fused_gated_norm or unfused_gated_norm) at these inputs."""
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    out = fn(*leaves, EPS, zero_centered, activation=activation)
+    return torch.autograd.grad(out, leaves, dy)
+
+
+def float64_grads(x, gate, weight, dy, zero_centered, activation="silu"):
+    return grads(unfused_gated_norm, x.double(), gate.double(), weight.double(), dy.double(),
+                 zero_centered, activation)
+
+
+def assert_no_less_accurate(fused, unfused, exact):
+    for name, f, u, e in zip(("dx", "dgate", "dweight"), fused, unfused, exact):
+        err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
+        # dW is summed in a different (fixed) order than autograd's: allow 1 % of the error.
+        assert err_fused <= 1.01 * err_unfused + 1e-7, (name, err_fused, err_unfused)
 
 
 def relative_error(approx, exact):
@@ -66,11 +79,15 @@ def test_forward_matches_unfused(dtype, weight_fp32, zero_centered, dim):
     assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS, zero_centered))
 
 
-@pytest.mark.parametrize("dim", [128, 256, 1000, 1024])
-def test_forward_head_dims(dim):
+@pytest.mark.parametrize("dim", [128, 256, 1000, 1024, 3000, 8192])  # up to MAX_HEAD_DIM
+def test_head_dims_forward_and_backward(dim):
     x, gate, weight = make_inputs((1, 3, 2, dim), torch.bfloat16)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=4)[0]
     out = fused_gated_norm(x, gate, weight, EPS)
     assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS))
+    assert_no_less_accurate(grads(fused_gated_norm, x, gate, weight, dy),
+                            grads(unfused_gated_norm, x, gate, weight, dy),
+                            float64_grads(x, gate, weight, dy, False))
 
 
 def test_bf16_rounding_is_to_nearest_even_not_truncation():
@@ -204,40 +221,30 @@ def test_no_input_is_copied(monkeypatch):
 def test_gradients_no_less_accurate_than_unfused(dtype, zero_centered, dim):
     x, gate, weight = make_inputs((2, 8, 4, dim), dtype)
     dy = make_inputs(x.shape, dtype, seed=11)[0]
-    exact = float64_grads(x, gate, weight, dy, zero_centered)
-
-    def grads(fn):
-        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-        return torch.autograd.grad(fn(*leaves, EPS, zero_centered), leaves, dy)
-
-    fused, unfused = grads(fused_gated_norm), grads(unfused_gated_norm)
-    for name, f, u, e in zip(("dx", "dgate", "dweight"), fused, unfused, exact):
-        err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
-        # dW is summed in a different (fixed) order than autograd's: allow 1 % of the error.
-        assert err_fused <= 1.01 * err_unfused + 1e-7, (name, err_fused, err_unfused)
+    assert_no_less_accurate(grads(fused_gated_norm, x, gate, weight, dy, zero_centered),
+                            grads(unfused_gated_norm, x, gate, weight, dy, zero_centered),
+                            float64_grads(x, gate, weight, dy, zero_centered))
 
 
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
 def test_fp32_gradients_close_to_float64(zero_centered):
     x, gate, weight = make_inputs((2, 6, 3, 96), torch.float32)
     dy = make_inputs(x.shape, torch.float32, seed=5)[0]
-    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    fused = torch.autograd.grad(fused_gated_norm(*leaves, EPS, zero_centered), leaves, dy)
+    fused = grads(fused_gated_norm, x, gate, weight, dy, zero_centered)
     for name, f, e in zip(("dx", "dgate", "dweight"), fused, float64_grads(x, gate, weight, dy, zero_centered)):
         assert relative_error(f, e) < 5e-6, name
 
 
 def test_sigmoid_activation_forward_and_backward():
-    x, gate, weight = make_inputs((1, 6, 2, 64), torch.bfloat16)
-    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    ref_leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    out = fused_gated_norm(*leaves, EPS, activation="sigmoid")
-    ref = unfused_gated_norm(*ref_leaves, EPS, activation="sigmoid")
-    assert_matches_unfused(out, ref)
-    dy = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, leaves, dy), torch.autograd.grad(ref, ref_leaves, dy)):
-        if got.dim() > 1:
-            assert_matches_unfused(got, want)
+    x, gate, weight = make_inputs((2, 6, 2, 64), torch.bfloat16)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=3)[0]
+    out = fused_gated_norm(x, gate, weight, EPS, activation="sigmoid")
+    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS, activation="sigmoid"))
+    fused = grads(fused_gated_norm, x, gate, weight, dy, activation="sigmoid")
+    unfused = grads(unfused_gated_norm, x, gate, weight, dy, activation="sigmoid")
+    for got, want in zip(fused[:2], unfused[:2]):  # per element: dx, dgate
+        assert_matches_unfused(got, want)
+    assert_no_less_accurate(fused, unfused, float64_grads(x, gate, weight, dy, False, "sigmoid"))
 
 
 def test_backward_is_deterministic():
@@ -250,6 +257,17 @@ def test_backward_is_deterministic():
 
     for first, second in zip(run(), run()):
         assert torch.equal(first, second)
+
+
+def test_integer_eps_reaches_the_kernel_as_a_float(monkeypatch):
+    # An int would be another kernel argument type (and 1 a specialised value): one more compile.
+    seen, forward_impl = [], kernel_module.forward_impl
+    monkeypatch.setattr(kernel_module, "forward_impl",
+                        lambda x, gate, weight, eps, *args, **kwargs:
+                        seen.append(eps) or forward_impl(x, gate, weight, eps, *args, **kwargs))
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    assert torch.equal(fused_gated_norm(x, gate, weight, 1), fused_gated_norm(x, gate, weight, 1.0))
+    assert [type(eps) for eps in seen] == [float, float]
 
 
 def test_double_backward_raises():
@@ -265,7 +283,7 @@ def test_double_backward_raises():
 # ------------------------------------------------------------------------------------ empty input
 
 
-@pytest.mark.parametrize("shape", [(0, 4, 2, 64), (2, 0, 2, 64), (1, 3, 0, 64)])
+@pytest.mark.parametrize("shape", [(0, 4, 2, 64), (2, 0, 2, 64), (1, 3, 0, 64), (2, 3, 2, 0)])
 def test_empty_input(shape):
     x, gate, weight = make_inputs(shape, torch.bfloat16)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
@@ -378,10 +396,13 @@ def test_row_offset_is_64_bit(flat_tokens):
         stride_b = seq * stride_s
     else:
         stride_b, stride_s, stride_h = heads * dim, batch * heads * dim, dim
-    rows = torch.tensor([0, 1, heads, seq * heads - 1, seq * heads, batch * seq * heads - 1], dtype=torch.int64)
-    out = torch.empty_like(rows)
+    # Row indices are int32, as in the kernels (rows <= MAX_ROWS): the 64-bit products must
+    # come from _row_offset itself.
+    rows = torch.tensor([0, 1, heads, seq * heads - 1, seq * heads, batch * seq * heads - 1], dtype=torch.int32)
+    out = torch.empty(rows.shape, dtype=torch.int64)
     _row_offsets_kernel[(1,)](rows.to(DEVICE), out := out.to(DEVICE), rows.numel(), seq, heads,
                               stride_b, stride_s, stride_h, flat_tokens, 8)
+    rows = rows.long()
     token, head = rows // heads, rows % heads
     expected = (token // seq) * stride_b + (token % seq) * stride_s + head * stride_h
     assert expected.max() > 2**33

@@ -7,12 +7,14 @@ keeps the compiled kernel per *launch key* and calls it directly: 10-16 us, with
 bare call of the compiled kernel (docs/benchmarks.md, host cost).
 
 The launch key must determine Triton's specialisation of every argument. It is built from the
-scalar arguments themselves (every int, stride tuple, flag and constexpr, by value), the
-launch options, and per tensor its dtype and whether its address is 16-byte aligned: that is all
-``JITFunction.run`` specialises on, so equal keys mean the same compiled kernel. A new key (a new
-token count, say) goes through ``JITFunction.run`` once, which compiles only if Triton's own key
-is new. Under the Triton interpreter there is no compiled kernel: every call takes the normal
-path.
+scalar arguments (every int, stride tuple, flag and constexpr by value, except the kernel's
+``do_not_specialize`` parameters, which Triton types by integer width alone: i32, i64 or u64),
+the launch options, and per tensor its dtype and whether its address is 16-byte aligned: that
+is all ``JITFunction.run`` specialises on, so equal keys mean the same compiled kernel. A new
+token count (a ``do_not_specialize`` argument) keeps the key, so packed sequences of varying
+length take the direct path in every step. A new key goes through ``JITFunction.run`` once, which
+compiles only if Triton's own key is new. Under the Triton interpreter there is no compiled
+kernel: every call takes the normal path.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from __future__ import annotations
 from triton import knobs
 from triton.runtime import driver
 
-# Distinct keys differ mostly by token count; a bounded table keeps a long run with packed
-# sequences of varying length from growing it without limit.
+# Keys differ by layout, dtype, alignment and head shape, not by token count; the bound only
+# guards against a caller that keeps producing new layouts.
 MAX_KEYS = 1024
 
 
@@ -35,13 +37,17 @@ class DirectLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled = {}  # launch key (current device first) -> compiled kernel
+        # Parameter positions Triton does not specialise (do_not_specialize).
+        self.unspecialised = tuple(p.num for p in getattr(kernel, "params", ())
+                                   if getattr(p, "do_not_specialize", False))
         self.direct_calls = 0  # observable by tests: how many launches skipped JITFunction.run
 
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
+        key_scalars = self._key_scalars(len(tensors), scalars)
         if self.compiled:  # something compiled exists, so there is a driver to ask
             device = driver.active.get_current_device()  # the device JITFunction.run would use
-            compiled = self.compiled.get(_launch_key(device, tensors, pointers, scalars, num_warps))
+            compiled = self.compiled.get(_launch_key(device, tensors, pointers, key_scalars, num_warps))
             if compiled is not None:
                 self._run(compiled, grid, device, tensors, pointers, scalars)
                 return
@@ -51,7 +57,19 @@ class DirectLauncher:
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         device = driver.active.get_current_device()
-        self.compiled[_launch_key(device, tensors, pointers, scalars, num_warps)] = compiled
+        self.compiled[_launch_key(device, tensors, pointers, key_scalars, num_warps)] = compiled
+
+    def _key_scalars(self, n_tensors: int, scalars: tuple) -> tuple:
+        """``scalars`` with each unspecialised integer replaced by the type Triton gives it."""
+        if not self.unspecialised:
+            return scalars
+        key = list(scalars)
+        for num in self.unspecialised:
+            value = key[num - n_tensors]
+            if type(value) is int:
+                key[num - n_tensors] = ("i32" if -2**31 <= value < 2**31 else
+                                        "u64" if value >= 2**63 else "i64")
+        return tuple(key)
 
     def _run(self, compiled, grid, device, tensors, pointers, scalars) -> None:
         """The call JITFunction.run makes once it has found the kernel, with two savings:

@@ -37,12 +37,19 @@ class FakeCompiled:
         self.log.append(("direct", (g0, g1, g2), stream, function, packed, args, metadata, enter, exit_))
 
 
-class FakeJit:
-    """kernel[grid](*args, num_warps=...) -> a compiled kernel (or None, as the interpreter)."""
+class FakeParam:
+    def __init__(self, num, do_not_specialize):
+        self.num, self.do_not_specialize = num, do_not_specialize
 
-    def __init__(self, interpreted=False):
+
+class FakeJit:
+    """kernel[grid](*args, num_warps=...) -> a compiled kernel (or None, as the interpreter).
+    ``unspecialised``: positions of do_not_specialize parameters (JITFunction.params)."""
+
+    def __init__(self, interpreted=False, unspecialised=()):
         self.log = []
         self.interpreted = interpreted
+        self.params = [FakeParam(i, i in unspecialised) for i in range(8)]
 
     def __getitem__(self, grid):
         def run(*args, num_warps):
@@ -150,6 +157,21 @@ def test_anything_triton_specialises_on_changes_the_key(fake_driver, change):
     assert _kinds(jit.log) == ["jit", "jit", "direct"]
 
 
+def test_a_new_token_count_keeps_the_direct_path(fake_driver):
+    """Triton types a do_not_specialize integer by its width only: a new value within int32 is
+    the same compiled kernel; past int32 it is another one (i64)."""
+    jit = FakeJit(unspecialised=(1,))  # parameter 1 = the first scalar (the tensor is 0)
+    launch = DirectLauncher(jit)
+    x = torch.zeros(64)
+    for rows in (64, 65, 2**31 - 1, 7):
+        launch(4, (x,), (rows, 128), 4)
+    assert _kinds(jit.log) == ["jit", "direct", "direct", "direct"]
+    assert [entry[5][1] for entry in jit.log[1:]] == [65, 2**31 - 1, 7]  # the values still go in
+    launch(4, (x,), (2**31, 128), 4)
+    launch(4, (x,), (64, 256), 4)  # a specialised scalar still changes the key
+    assert _kinds(jit.log)[4:] == ["jit", "jit"]
+
+
 def test_other_device_and_grid(fake_driver):
     jit = FakeJit()
     launch = DirectLauncher(jit)
@@ -209,3 +231,11 @@ def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     assert fgn.launch_backward.direct_calls - bwd0 == direct
     reference = fgn.forward_impl(x, gate.contiguous(), weight, 1e-6)[0]  # an aligned copy
     assert torch.equal(calls[0][0], reference)
+    # Another token count (one sequence of the two: the same flat-token layout): the same
+    # compiled kernels, launched directly on a GPU.
+    fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls
+    out, rstd = fgn.forward_impl(x[:1], gate[:1], weight, 1e-6)
+    dx, _, _ = fgn.backward_impl(x[:1], gate[:1], weight, rstd, dy[:1])
+    assert torch.equal(out, calls[0][0][:1]) and torch.equal(dx, calls[0][2][:1])
+    assert fgn.launch_forward.direct_calls - fwd0 == direct
+    assert fgn.launch_backward.direct_calls - bwd0 == direct

@@ -1,4 +1,4 @@
-"""Data of examples/pretrain_gdn.py: the shipped corpus, a byte-level tokenizer, and batches.
+"""Data of examples/pretrain_gdn.py: the shipped corpus (a token is a byte) and batches.
 
 No download: the corpus is ``examples/data/stdlib_docstrings.txt`` (see its README for origin and
 licence) and a token is a byte (vocabulary 256). Batches are random windows of the corpus drawn
@@ -17,20 +17,6 @@ import torch
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib_docstrings.txt")
 VOCAB_SIZE = 256  # bytes
 HELD_OUT_FRACTION = 0.05
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: ids 0..255, nothing to download, nothing unknown."""
-
-    vocab_size = VOCAB_SIZE
-
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    @staticmethod
-    def decode(ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def load_corpus(path: str = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,3 +68,9 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     return (ordered(a) - ordered(b)).abs()
 
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact|| / ||exact|| in float64 (the accuracy measure of the tests and GPU
+    checks: "no less accurate than the unfused path against a float64 reference")."""
+    exact = exact.double()
+    return ((approx.double() - exact).norm() / exact.norm().clamp_min(1e-30)).item()

@@ -14,7 +14,8 @@ The fusion itself is switched by ``config.fused_gated_norm``, not by the spec.
 Example::
 
     config = TransformerConfig(..., experimental_attention_variant="gated_delta_net",
-                               linear_attention_freq=4, fused_gated_norm=True)
+                               linear_attention_freq=4, normalization="RMSNorm",
+                               activation_func=F.silu, fused_gated_norm=True)
     model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
                      vocab_size=..., max_sequence_length=...)
 """

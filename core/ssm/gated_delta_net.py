@@ -74,11 +74,13 @@ def mark_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> None:
 
 
 def has_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> bool:
-    """True when :func:`mark_tp_partial_grad` is in effect on ``param`` for ``tp_size``."""
-    if not getattr(param, "average_gradients_across_tp_domain", False):
-        return False
+    """True when ``param``'s gradient is complete after ``finalize_model_grads``: always at
+    TP = 1 (nothing to reduce), else when :func:`mark_tp_partial_grad` is in effect for
+    ``tp_size``."""
     if tp_size <= 1:
         return True
+    if not getattr(param, "average_gradients_across_tp_domain", False):
+        return False
     if getattr(param, TP_PARTIAL_GRAD_ATTR, None) != tp_size:
         return False
     hook = getattr(param, "_gdn_tp_partial_grad_hook", None)

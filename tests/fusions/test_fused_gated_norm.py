@@ -12,7 +12,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
-from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm
+from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -58,10 +58,6 @@ def assert_no_less_accurate(fused, unfused, exact):
         err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
         # dW is summed in a different (fixed) order than autograd's: allow 1 % of the error.
         assert err_fused <= 1.01 * err_unfused + 1e-7, (name, err_fused, err_unfused)
-
-
-def relative_error(approx, exact):
-    return ((approx.double() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
 
 
 # ------------------------------------------------------------------------------------ forward

@@ -78,7 +78,7 @@ else:
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm  # noqa: E402
+from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm  # noqa: E402
 from core.testing.gdn import (build_gdn_module, eager_megatron_gdn, gdn_config,  # noqa: E402
                                randomize_norm_weights)
 
@@ -154,10 +154,6 @@ def ulp_max(a, b):
     return int(ulp_distance(a, b).max().item()) if a.numel() else 0
 
 
-def rel_err(t, ref):
-    return ((t.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
 def check(name: str, ok: bool, detail: str = ""):
     RESULTS["checks"][name] = {"ok": bool(ok), "detail": detail}
     if not ok:
@@ -230,8 +226,8 @@ def norm_section_parity(off, on, x_in, dy) -> dict:
     res["eager_bitwise_vs_jit"] = (eager[0] == jit[0]).float().mean().item()
     errs = {}
     for i, name in ((1, "dx"), (2, "dgate"), (3, "dweight"), (0, "out")):
-        errs[name] = {"fused": rel_err(fused[i], exact[i]), "unfused_eager": rel_err(eager[i], exact[i]),
-                      "unfused_jit": rel_err(jit[i], exact[i])}
+        errs[name] = {"fused": relative_error(fused[i], exact[i]), "unfused_eager": relative_error(eager[i], exact[i]),
+                      "unfused_jit": relative_error(jit[i], exact[i])}
     res["rel_err_vs_float64"] = errs
     check("norm section: forward vs unfused eager >= 99.9% bitwise, within 2 ulp (numerics.md)",
           res["out_bitwise_vs_eager"] >= 0.999 and res["out_max_ulp_vs_eager"] <= 2,
@@ -274,9 +270,9 @@ def parity(seq: int, batch: int) -> dict:
     picks.update({n: (lambda r, n=n: r[2][n]) for n in sorted(r_on[2])})
     errs = {}
     for n, pick in picks.items():
-        errs[n] = {"elements": pick(r_on).numel(), "err_on": rel_err(pick(r_on), pick(r_32)),
-                   "err_off_jit": rel_err(pick(r_off), pick(r_32)),
-                   "err_off_eager": rel_err(pick(r_eager), pick(r_32))}
+        errs[n] = {"elements": pick(r_on).numel(), "err_on": relative_error(pick(r_on), pick(r_32)),
+                   "err_off_jit": relative_error(pick(r_off), pick(r_32)),
+                   "err_off_eager": relative_error(pick(r_eager), pick(r_32))}
         errs[n]["ratio_on_over_worse_off"] = errs[n]["err_on"] / max(
             errs[n]["err_off_jit"], errs[n]["err_off_eager"], 1e-300)
     res["rel_err_vs_fp32_layer"] = errs

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
+from core.fusions.gated_norm_reference import relative_error, ulp_distance  # noqa: E402
 from core.testing.gdn import (  # noqa: E402
     build_gdn_layer,
     build_gdn_module,
@@ -55,14 +56,7 @@ def _layers(dtype=torch.bfloat16, **cfg):
 
 
 def _bits_within_one_ulp(a, b):
-    ai = a.view(torch.int16).int()
-    bi = b.view(torch.int16).int()
-    same_sign = (ai < 0) == (bi < 0)
-    return bool((((ai - bi).abs() <= 1) & same_sign | (a == b)).all())
-
-
-def _rel_err(t, ref):
-    return ((t.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    return ulp_distance(a, b).max().item() <= 1
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +81,7 @@ def test_bf16_grads_no_less_accurate_than_unfused(bf16_runs):
     assert g_ref.keys() == g_fused.keys()
     pairs = [("input", dx_ref, dx_fused, dx_32)] + [(n, g_ref[n], g_fused[n], g_32[n]) for n in g_ref]
     for name, unfused, fused, high in pairs:
-        err_unfused, err_fused = _rel_err(unfused, high), _rel_err(fused, high)
+        err_unfused, err_fused = relative_error(unfused, high), relative_error(fused, high)
         assert err_fused <= 1.05 * err_unfused + 1e-6, (name, err_fused, err_unfused)
         torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2 * unfused.float().abs().max().item())
 
@@ -290,11 +284,15 @@ def test_validation_rejects_norm_without_weight_or_wrong_shape(fused_module):
         module._apply_gated_norm(*_xg())
 
 
-def test_replaced_weight_without_tp_handling_raises(fused_module):
+def test_replaced_weight_without_tp_handling_raises_at_tp_above_1(fused_module):
     module = copy.copy(fused_module)
     module.out_norm = RMSNorm(fused_module.config, hidden_size=16, eps=1e-5)
+    module._apply_gated_norm(*_xg())  # TP = 1: nothing to reduce, the new weight is fine
+    module.tp_size = 2  # the check alone, as a TP = 2 rank would run it
     with pytest.raises(RuntimeError, match="lost its tensor-parallel gradient handling"):
-        module._apply_gated_norm(*_xg())
+        module._check_tp_partial_grad()
+    gdn_mod.mark_tp_partial_grad(module.out_norm.weight, 2)
+    module._check_tp_partial_grad()
 
 
 def test_zero_centered_mismatch_between_norm_and_config_raises():

@@ -417,11 +417,13 @@ def breakdown(seq: int, batch: int) -> dict:
     res = {"shape": f"S={seq} B={batch}"}
     for name, step in variants.items():
         wall = time_ms(step, iters)  # warms up (and compiles) too
-        kernels = kernel_times_ms(step, iters)
+        kernels, calls = kernel_times_ms(step, iters)
         groups = {"copies": 0.0, "fills": 0.0, "rest": 0.0}
         for kernel, ms in kernels.items():
             groups[kernel_group(kernel)] += ms
+        copy_calls = sum(n for kernel, n in calls.items() if kernel_group(kernel) == "copies")
         res[name] = {"wall_ms": wall, "kernel_ms": sum(kernels.values()), **{f"{g}_ms": v for g, v in groups.items()},
+                     "copy_calls": copy_calls,
                      "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
     u, f = res["unfused"], res["fused"]
     res.update(gain_wall_ms=u["wall_ms"] - f["wall_ms"], gain_kernel_ms=u["kernel_ms"] - f["kernel_ms"],
@@ -443,9 +445,10 @@ def kernel_group(name: str) -> str:
     return "rest"
 
 
-def kernel_times_ms(step, iters: int) -> dict:
-    """GPU time of each kernel of one ``step()`` in ms (the mean over ``iters`` steps), from the
-    profiler's device activity; on the CPU smoke run, the self CPU time of each aten op."""
+def kernel_times_ms(step, iters: int) -> tuple[dict, dict]:
+    """GPU time of each kernel of one ``step()`` in ms, and its launches per step (means over
+    ``iters`` steps), from the profiler's device activity; on the CPU smoke run, the self CPU
+    time and calls of each aten op."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CPU if CPU else ProfilerActivity.CUDA
@@ -453,7 +456,7 @@ def kernel_times_ms(step, iters: int) -> dict:
         for _ in range(iters):
             step()
         sync()
-    times = {}
+    times, calls = {}, {}
     for event in prof.key_averages():
         if CPU:
             us = event.self_cpu_time_total if event.key.startswith("aten::") else 0
@@ -465,7 +468,8 @@ def kernel_times_ms(step, iters: int) -> dict:
                 us = event.self_cuda_time_total
         if us:
             times[event.key] = times.get(event.key, 0.0) + us / 1e3 / iters
-    return times
+            calls[event.key] = calls.get(event.key, 0.0) + event.count / iters
+    return times, calls
 
 
 def tp_mode(tp: int, rank: int) -> dict:

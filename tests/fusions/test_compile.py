@@ -121,9 +121,21 @@ def _keys(monkeypatch, kernel_name, run):
     return keys
 
 
+def _use_h200_heuristics(monkeypatch):
+    """The launch parameters an H200 gets (132 SMs), whatever device runs the test."""
+    launch = importlib.import_module("core.fusions.gated_norm_launch")
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(fgn, "forward_launch", lambda dim, device: launch.forward_launch.__wrapped__(dim, gpu))
+    monkeypatch.setattr(fgn, "backward_launch", lambda dim, device: launch.backward_launch.__wrapped__(dim, gpu))
+
+
+@pytest.mark.parametrize("heuristics", ["h200", "this_device"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_token_count_does_not_change_the_compile_key(monkeypatch, batch):
+def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heuristics):
     # (seq == 1 is left out: there the sbhd and bshd layouts coincide and take the flat path.)
+    if heuristics == "h200":
+        _use_h200_heuristics(monkeypatch)
     seqs = (2, 7, 16, 100, 257, 4096, 4099)
     inputs = [make_inputs(batch, seq, heads=4, dim=128, strided_gate=True) for seq in seqs]
 

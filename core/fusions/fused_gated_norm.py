@@ -655,9 +655,10 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:
             f"fused_gated_norm requires out_norm eps ({norm_eps}) to equal "
             f"config.layernorm_epsilon ({config.layernorm_epsilon})"
         )
-    heads = getattr(module, "num_value_heads_local_tp", None)
-    if heads is None:
-        heads = config.linear_num_value_heads // getattr(module, "tp_size", 1)
+    heads = getattr(module, "num_value_heads_local_tp_cp", None)
+    if heads is None:  # a module without our attribute: value heads split by TP, then CP
+        heads = (config.linear_num_value_heads // getattr(module, "tp_size", 1)
+                 // getattr(module, "cp_size", 1))
     for name, t in (("core_attn_out", x), ("gate", gate)):
         if t.dim() != 4 or tuple(t.shape[-2:]) != (heads, head_dim):
             raise ValueError(

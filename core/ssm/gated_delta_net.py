@@ -114,7 +114,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                 "gdn_out_norm_zero_centered_gamma / layernorm_zero_centered_gamma)"
             )
         # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
-        self.num_value_heads_local_tp = self.num_v_heads_local_tp // self.cp_size
+        self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
         self.gate_activation = gate_activation_name(self.act_fn)
         weight = getattr(self.out_norm, "weight", None)
         if isinstance(weight, torch.nn.Parameter):

@@ -282,7 +282,8 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, D: tl.constexpr, BLOCK_P: t
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
 
-# Repeated calls skip JITFunction.run's binding (direct_launch.py: 21-38 -> 10-16 us per launch on the lent H200 VM).
+# Repeated calls skip JITFunction.run's binding (direct_launch.py: 21-38 -> 10-16 us of host
+# time per launch on the lent H200 VM).
 launch_forward = DirectLauncher(gated_norm_fwd)
 launch_backward = DirectLauncher(gated_norm_bwd)
 launch_dw_sum = DirectLauncher(gated_norm_dw_sum)

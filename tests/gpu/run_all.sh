@@ -7,7 +7,7 @@
 # Several stages may be named in one call; STEP_TIMEOUT (s) bounds each step; TP_SIZES ("1 2")
 # picks the tensor-parallel sizes of the layer and example stages.
 # Wheels (megatron-core, fla-core, and triton 3.7.1 for FLA's GDN backward on Hopper) are
-# installed into .site first when .whl/ holds them (see shared/notes/gpu.md).
+# installed into .site first when .whl/ holds them (tests/gpu/README.md: how to fill it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out/gpu}"

@@ -301,19 +301,15 @@ def host_cost():
     # own launch path (JITFunction.run) for our kernel with precomputed arguments.
     measure("ref_torch_add_us", lambda: xd.add(1))
     measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))
-    out, rstd = xd.new_empty(xd.shape), xd.new_empty(xd.shape[:3], dtype=torch.float32)
-    tensors = (xd, gd, wd, out, rstd)
-    scalars = (128, 8, 128, 16, (0, 1024, 128), (0, 1024, 128), (0, 1024, 128),
-               True, True, True, True, True, True, EPS, False, 16, 128,
-               fgn.norm_dtype(DTYPE, DTYPE), "silu", True, True)
-    measure("ref_triton_launch_us", lambda: fgn.gated_norm_fwd[(8,)](*tensors, *scalars, num_warps=4))
+    grid, tensors, scalars, warps = _forward_launch_arguments(xd, gd, wd)
+    measure("ref_triton_launch_us", lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps))
     # The project's launcher (core/fusions/direct_launch.py) with the same arguments, and the
     # compiled kernel called directly: the floor of any Python-side launch.
-    measure("direct_launcher_us", lambda: fgn.launch_forward(8, tensors, scalars, 4))
+    measure("direct_launcher_us", lambda: fgn.launch_forward(grid, tensors, scalars, warps))
     for table in (res, best):
         table["validation_plus_launch_us"] = table["validation_us"] + table["direct_launcher_us"]
     try:
-        direct = fgn.gated_norm_fwd[(8,)](*tensors, *scalars, num_warps=4)[(8, 1, 1)]
+        direct = fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps)[(grid, 1, 1)]
         measure("ref_compiled_kernel_launch_us", lambda: direct(*tensors, *scalars))
         # The same with addresses instead of tensors (what the direct launcher passes): the
         # launcher then skips its per-tensor driver query.
@@ -338,6 +334,17 @@ def host_cost():
             lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True))
     res["best_round_us"] = best
     return res
+
+
+def _forward_launch_arguments(x, gate, weight):
+    """(grid, tensors, scalars, warps) exactly as forward_impl hands them to its launcher."""
+    recorded, launcher = [], fgn.launch_forward
+    fgn.launch_forward = lambda *args: recorded.append(args)
+    try:
+        fgn.forward_impl(x, gate, weight, EPS)
+    finally:
+        fgn.launch_forward = launcher
+    return recorded[0]
 
 
 def cuda_graph_check():

@@ -670,8 +670,10 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:
 
 
 def gate_activation_name(fn) -> Optional[str]:
-    """'silu' or 'sigmoid' when ``fn`` is one the kernel implements, else None."""
-    if fn in (torch.nn.functional.silu, torch.nn.SiLU):
+    """'silu' or 'sigmoid' when ``fn`` is one the kernel implements, else None. Functions
+    only: megatron calls ``activation_func(tensor)`` and reads its ``__name__``, so a module class
+    such as ``torch.nn.SiLU`` is not an activation function there."""
+    if fn is torch.nn.functional.silu:
         return "silu"
     if fn in (torch.sigmoid, torch.nn.functional.sigmoid):
         return "sigmoid"

@@ -24,6 +24,7 @@ Both paths (flag on and off) also get:
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 
@@ -37,9 +38,20 @@ from core.fusions.fused_gated_norm import (
 )
 from core.transformer.transformer_config import gdn_out_norm_zero_centered
 
-# Attribute set on a parameter whose gradient is a per-TP-rank partial sum, pre-scaled by the
-# TP size so that finalize_model_grads' AVG over TP yields the SUM of the partials.
-TP_PARTIAL_GRAD_ATTR = "gdn_tp_partial_grad_scale"
+# Attribute holding the gradient hook of mark_tp_partial_grad on the parameter it scales.
+TP_PARTIAL_GRAD_HOOK_ATTR = "_gdn_tp_partial_grad_hook"
+
+
+class _ScaleGrad:
+    """The gradient hook of :func:`mark_tp_partial_grad`: ``grad * scale``. A module-level class
+    rather than a closure, so that a parameter carrying it can still be pickled (``torch.save``
+    of a module, multiprocessing)."""
+
+    def __init__(self, scale: int):
+        self.scale = scale
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float(self.scale)
 
 
 def mark_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> None:
@@ -54,38 +66,39 @@ def mark_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> None:
     accumulated: ``AVG(tp * partial_r) = SUM(partial_r)``, exact in fp32 for power-of-two TP.
     No collective per micro-batch; one reduction per step with the other non-TP grads; the
     hook runs before accumulation into ``.grad``, so DDP's ``main_grad`` (filled from ``.grad``)
-    is covered too. Idempotent."""
+    is covered too. Idempotent: a parameter whose hook is registered is left alone; one that
+    carries the tags but lost the hook (``copy.copy``, a pickle round trip) gets it again."""
+    attached = _attached_hook(param)
+    if attached is not None and attached.scale != tp_size:
+        raise ValueError(
+            f"mark_tp_partial_grad: parameter already scaled for TP size {attached.scale}, "
+            f"asked for {tp_size}"
+        )
     setattr(param, "average_gradients_across_tp_domain", True)
     setattr(param, "sequence_parallel", False)  # one reduction path only
-    if tp_size > 1 and getattr(param, TP_PARTIAL_GRAD_ATTR, None) != tp_size:
-        if getattr(param, TP_PARTIAL_GRAD_ATTR, None) is not None:
-            raise ValueError(
-                f"mark_tp_partial_grad: parameter already scaled for TP size "
-                f"{getattr(param, TP_PARTIAL_GRAD_ATTR)}, asked for {tp_size}"
-            )
-        scale = float(tp_size)
+    if tp_size > 1 and attached is None:
+        hook = _ScaleGrad(tp_size)
+        param.register_hook(hook)
+        setattr(param, TP_PARTIAL_GRAD_HOOK_ATTR, hook)
 
-        def _scale_partial_grad(grad):
-            return grad * scale
 
-        param.register_hook(_scale_partial_grad)
-        setattr(param, "_gdn_tp_partial_grad_hook", _scale_partial_grad)
-    setattr(param, TP_PARTIAL_GRAD_ATTR, tp_size)
+def _attached_hook(param: torch.nn.Parameter) -> Optional[_ScaleGrad]:
+    """The parameter's _ScaleGrad hook when it is registered on this very tensor, else None."""
+    hook = getattr(param, TP_PARTIAL_GRAD_HOOK_ATTR, None)
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    return hook if hook is not None and any(h is hook for h in hooks.values()) else None
 
 
 def has_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> bool:
     """True when ``param``'s gradient is complete after ``finalize_model_grads``: always at
     TP = 1 (nothing to reduce), else when :func:`mark_tp_partial_grad` is in effect for
-    ``tp_size``."""
+    ``tp_size`` (tagged, and its hook registered on this tensor)."""
     if tp_size <= 1:
         return True
     if not getattr(param, "average_gradients_across_tp_domain", False):
         return False
-    if getattr(param, TP_PARTIAL_GRAD_ATTR, None) != tp_size:
-        return False
-    hook = getattr(param, "_gdn_tp_partial_grad_hook", None)
-    hooks = getattr(param, "_backward_hooks", None) or {}
-    return hook is not None and any(h is hook for h in hooks.values())
+    hook = _attached_hook(param)
+    return hook is not None and hook.scale == tp_size
 
 
 class GatedDeltaNet(_MegatronGatedDeltaNet):

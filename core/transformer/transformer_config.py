@@ -24,9 +24,12 @@ class TransformerConfig(_MegatronTransformerConfig):
     """Compute the Gated DeltaNet output norm and its gate, ``out_proj``'s input
     ``round(round(rms_norm(x) * w) * act(gate))``, in one Triton kernel per direction
     (``core.fusions.fused_gated_norm``) instead of megatron's norm + gate + transpose copy. Takes
-    effect in ``core.ssm.gated_delta_net.GatedDeltaNet`` (the spec functions of
-    ``core.models.gdn_specs`` build it). Requires experimental_attention_variant='gated_delta_net',
-    normalization='RMSNorm' and a silu or sigmoid activation_func (the GDN gate activation)."""
+    effect in every ``core.ssm.gated_delta_net.GatedDeltaNet`` (the spec functions of
+    ``core.models.gdn_specs`` build it; a HybridModel's 'G' layers take it when their spec names
+    this class, with experimental_attention_variant left at None). Requires
+    normalization='RMSNorm' and activation_func (the GDN gate activation, which megatron also
+    applies after the short convolution) F.silu, or torch.sigmoid with deterministic_mode (outside
+    deterministic mode megatron's convolution kernel takes silu only)."""
 
     gdn_out_norm_zero_centered_gamma: Optional[bool] = None
     """Zero-centred gamma (``w_eff = 1 + w``) for the GDN output norm only. None follows
@@ -45,23 +48,24 @@ class TransformerConfig(_MegatronTransformerConfig):
             )
         if not self.fused_gated_norm:
             return
-        if self.experimental_attention_variant != "gated_delta_net":
-            raise ValueError(
-                "fused_gated_norm requires experimental_attention_variant='gated_delta_net' "
-                "(it fuses the Gated DeltaNet output norm), got "
-                f"{self.experimental_attention_variant!r}"
-            )
         if self.normalization != "RMSNorm":
             raise ValueError(
                 "fused_gated_norm requires normalization='RMSNorm' (the kernel implements "
                 f"RMSNorm only), got {self.normalization!r}"
             )
-        if gate_activation_name(self.activation_func) is None:
+        activation = gate_activation_name(self.activation_func)
+        if activation is None:
             name = getattr(self.activation_func, "__name__", repr(self.activation_func))
             raise ValueError(
                 "fused_gated_norm requires activation_func (the GDN gate activation) to be one of "
                 f"the kernel's {SUPPORTED_ACTIVATIONS} (torch.nn.functional.silu / torch.sigmoid), "
                 f"got {name}"
+            )
+        if activation == "sigmoid" and not self.deterministic_mode:
+            raise ValueError(
+                "fused_gated_norm with a sigmoid gate requires deterministic_mode=True: megatron's "
+                "GatedDeltaNet applies activation_func after its short convolution too, and outside "
+                "deterministic mode that convolution (FLA's causal_conv1d) takes silu only"
             )
 
 

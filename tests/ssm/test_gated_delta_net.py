@@ -7,6 +7,7 @@ from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 install_cpu_shims()
 
 import copy  # noqa: E402
+import io  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -215,8 +216,10 @@ def test_layer_spec_zero_centered_override_keeps_input_norm_zero_centered():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fused_module():
+    """A fresh module per test: the tests below replace its submodules (a shallow copy of an
+    nn.Module would share them with every later test)."""
     return build_gdn_module(gdn_config(fused_gated_norm=True))
 
 
@@ -266,15 +269,14 @@ def test_validation_rejections(fused_module, make, error, match):
 
 
 def test_validation_rejects_norm_with_bias(fused_module):
-    module = copy.copy(fused_module)
-    module.out_norm = copy.copy(fused_module.out_norm)
+    module = fused_module
     module.out_norm.bias = torch.nn.Parameter(torch.zeros(16))
     with pytest.raises(ValueError, match="out_norm without a bias"):
         module._apply_gated_norm(*_xg())
 
 
 def test_validation_rejects_norm_without_weight_or_wrong_shape(fused_module):
-    module = copy.copy(fused_module)
+    module = fused_module
     module.out_norm = torch.nn.Identity()
     with pytest.raises(ValueError, match="out_norm to have a weight"):
         module._apply_gated_norm(*_xg())
@@ -285,7 +287,7 @@ def test_validation_rejects_norm_without_weight_or_wrong_shape(fused_module):
 
 
 def test_replaced_weight_without_tp_handling_raises_at_tp_above_1(fused_module):
-    module = copy.copy(fused_module)
+    module = fused_module
     module.out_norm = RMSNorm(fused_module.config, hidden_size=16, eps=1e-5)
     module._apply_gated_norm(*_xg())  # TP = 1: nothing to reduce, the new weight is fine
     module.tp_size = 2  # the check alone, as a TP = 2 rank would run it
@@ -293,6 +295,32 @@ def test_replaced_weight_without_tp_handling_raises_at_tp_above_1(fused_module):
         module._check_tp_partial_grad()
     gdn_mod.mark_tp_partial_grad(module.out_norm.weight, 2)
     module._check_tp_partial_grad()
+
+
+def _grad_through_hook(param):
+    (param * 1.0).sum().backward()
+    grad, param.grad = param.grad, None
+    return grad
+
+
+def test_mark_tp_partial_grad_is_idempotent_and_survives_copies_and_pickling():
+    param = torch.nn.Parameter(torch.ones(4))
+    gdn_mod.mark_tp_partial_grad(param, 2)
+    gdn_mod.mark_tp_partial_grad(param, 2)  # idempotent: still one hook
+    assert torch.equal(_grad_through_hook(param), torch.full((4,), 2.0))
+    assert gdn_mod.has_tp_partial_grad(param, 2) and not gdn_mod.has_tp_partial_grad(param, 4)
+    with pytest.raises(ValueError, match="already scaled for TP size 2, asked for 4"):
+        gdn_mod.mark_tp_partial_grad(param, 4)
+    buffer = io.BytesIO()
+    torch.save(param, buffer)  # the hook is a picklable object, not a closure
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    # A copy keeps the tags but not the hook: refused until marked again, then scaled once.
+    for clone in (copy.copy(param), loaded):
+        assert not gdn_mod.has_tp_partial_grad(clone, 2)
+        gdn_mod.mark_tp_partial_grad(clone, 2)
+        assert gdn_mod.has_tp_partial_grad(clone, 2)
+        assert torch.equal(_grad_through_hook(clone), torch.full((4,), 2.0))
 
 
 def test_zero_centered_mismatch_between_norm_and_config_raises():

@@ -17,14 +17,20 @@ def test_defaults_leave_megatron_unchanged():
 
 @pytest.mark.parametrize("activation", [F.silu, torch.sigmoid])
 def test_flag_accepted_with_gdn_rmsnorm_and_supported_gate(activation):
-    config = gdn_config(fused_gated_norm=True, activation_func=activation)
+    config = gdn_config(fused_gated_norm=True, activation_func=activation, deterministic_mode=True)
     assert config.fused_gated_norm
 
 
-def test_flag_requires_gated_delta_net_variant():
-    with pytest.raises(ValueError, match=r"fused_gated_norm requires experimental_attention_variant='gated_delta_net'"):
-        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                          normalization="RMSNorm", activation_func=F.silu, fused_gated_norm=True)
+def test_flag_accepted_without_the_gpt_variant():
+    # A HybridModel builds its 'G' layers with experimental_attention_variant=None.
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               normalization="RMSNorm", activation_func=F.silu, fused_gated_norm=True)
+    assert config.fused_gated_norm and config.experimental_attention_variant is None
+
+
+def test_sigmoid_gate_requires_deterministic_mode():
+    with pytest.raises(ValueError, match="sigmoid gate requires deterministic_mode=True"):
+        gdn_config(fused_gated_norm=True, activation_func=torch.sigmoid, deterministic_mode=False)
 
 
 def test_flag_requires_rmsnorm():
@@ -32,9 +38,10 @@ def test_flag_requires_rmsnorm():
         gdn_config(fused_gated_norm=True, normalization="LayerNorm")
 
 
-def test_flag_requires_supported_gate_activation():
-    with pytest.raises(ValueError, match=r"fused_gated_norm requires activation_func .*got gelu"):
-        gdn_config(fused_gated_norm=True, activation_func=F.gelu)
+@pytest.mark.parametrize("activation", [F.gelu, torch.nn.SiLU])
+def test_flag_requires_supported_gate_activation(activation):
+    with pytest.raises(ValueError, match=r"fused_gated_norm requires activation_func .*got (gelu|SiLU)"):
+        gdn_config(fused_gated_norm=True, activation_func=activation)
 
 
 def test_zero_centered_override_must_be_bool_or_none():

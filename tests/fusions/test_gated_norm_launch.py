@@ -28,7 +28,9 @@ def h200(monkeypatch):
 def test_h200_parameters(h200):
     """The swept choices (docs/benchmarks.md, Launch sweeps)."""
     assert launch.forward_launch(128, GPU) == launch.ForwardLaunch(bt=16, warps=8, block_d=128)
-    assert launch.forward_launch(256, GPU) == launch.ForwardLaunch(bt=8, warps=4, block_d=256)
+    assert launch.forward_launch(256, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=256)
+    assert launch.forward_launch(200, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=256)
+    assert launch.forward_launch(512, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=512)
     cfg = launch.backward_launch(128, GPU)
     assert (cfg.bt, cfg.warps, cfg.max_programs) == (8, 4, 8 * H200_SMS)
 

@@ -9,6 +9,9 @@
    reference recomputed with *our* rstd (so the summation order is taken out) shows what is
    left for the other operations (rsqrt, exp in silu); rstd itself is compared with torch's and
    with the correctly rounded value (float64 sum).
+4. Launch blocks that lay a row out alike give the same bits: D = 256's swept block (4 rows x
+   4 warps) against the rule's (8 x 4), bf16 and fp32, aligned and one element off
+   (tests/tools/test_kernel_ir.py checks the layouts without a GPU).
 The parity tests themselves run on the GPU with `pytest tests/fusions` (they pick CUDA).
 """
 
@@ -110,16 +113,38 @@ def parity_sources_check() -> dict:
     }
 
 
+def same_row_layout_check() -> dict:
+    import importlib
+
+    fgn = importlib.import_module("core.fusions.fused_gated_norm")
+    shape = (4, 4096, 16, 256)
+    numel = 4 * 4096 * 16 * 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result = {"default": fgn.forward_launch(256, torch.device("cuda"))._asdict(), "rule": (8, 4)}
+    for dtype in (torch.bfloat16, torch.float32):
+        for offset in (0, 1):
+            buf = torch.randn(numel + 1, device="cuda", generator=gen).to(dtype)
+            x = buf[offset:offset + numel].view(shape)
+            gate = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+            weight = (1 + 0.2 * torch.randn(256, device="cuda", generator=gen)).to(dtype)
+            swept = fgn.forward_impl(x, gate, weight, EPS)
+            rule = fgn.forward_impl(x, gate, weight, EPS, bt=8, warps=4)
+            result[f"{dtype} offset {offset}"] = all(torch.equal(a, b) for a, b in zip(swept, rule))
+    return result
+
+
 def main() -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     results["big_tensor"] = big_tensor_check()
     torch.cuda.empty_cache()
     results["determinism"] = determinism_check()
     results["parity_sources"] = parity_sources_check()
+    results["same_row_layout"] = same_row_layout_check()
     print(json.dumps(results, indent=2))
     big = results["big_tensor"]
     ok = (all(big[k] >= 0.999 for k in big if k.endswith("bitwise"))
-          and big["dweight_rel_err"] < 1e-2 and results["determinism"]["identical_bits"])
+          and big["dweight_rel_err"] < 1e-2 and results["determinism"]["identical_bits"]
+          and all(v for k, v in results["same_row_layout"].items() if k.startswith("torch.")))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "check_kernels.json"), "w") as f:
             json.dump(results, f, indent=2)

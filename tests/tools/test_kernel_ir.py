@@ -47,3 +47,11 @@ def test_backward_row_layout_at_d256_fp32():
                           "--warps", "4")
     assert report["kernel"] == "bwd"
     assert layouts([report]) == [(4, 32, 2)]  # 16-byte fp32 vectors, 64 lanes: two warps per row
+
+
+def test_d256_forward_blocks_lay_rows_out_alike():
+    # gated_norm_launch's swept D = 256 block (4 rows x 4 warps) and the rule's (8 x 4): the same
+    # row layout aligned or not, so switching between them changes no bit.
+    blocks = ("--dim", "256", "--dtype", "fp32", "--bt", "8", "--warps", "4", "--bt", "4", "--warps", "4")
+    assert layouts(kernel_ir(*blocks)) == [(4, 32, 2)] * 2
+    assert layouts(kernel_ir(*blocks, "--unaligned")) == [(1, 32, 4)] * 2

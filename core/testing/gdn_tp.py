@@ -1,8 +1,9 @@
 """Tensor-parallel check of the GDN output-norm weight gradient (test-side only).
 
 What a Megatron training step does, on one GatedDeltaNet layer: the module is wrapped in
-megatron's real ``megatron.core.distributed.DistributedDataParallel`` (``use_distributed_optimizer
-=False``, ``overlap_grad_reduce=False``, with and without ``grad_reduce_in_fp32``), forward +
+megatron's real ``megatron.core.distributed.DistributedDataParallel`` (``overlap_grad_reduce=
+False``; with and without ``grad_reduce_in_fp32``; with and without ``use_distributed_optimizer``,
+whose grad buffers are laid out for the sharded optimizer), forward +
 backward fill DDP's ``main_grad`` buffers, then the STOCK
 ``megatron.core.distributed.finalize_model_grads([ddp_model])`` runs (DP all-reduce, then the
 TP reduction of the non-tensor-parallel grads, where the out_norm weight's partial dW is
@@ -34,8 +35,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DDP_VARIANTS = (("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False))
 
 CASES = tuple(
-    dict(fused=f, sequence_parallel=sp, dtype=dt, grad_reduce_in_fp32=g32)
-    for f, sp, (dt, g32) in itertools.product((True, False), (False, True), DDP_VARIANTS)
+    dict(fused=f, sequence_parallel=sp, dtype=dt, grad_reduce_in_fp32=g32, distributed_optimizer=do)
+    for f, sp, (dt, g32), do in itertools.product((True, False), (False, True), DDP_VARIANTS,
+                                                  (False, True))
 )
 
 # Layer sizes whose heads split over TP = 1, 2, 4 and 8 ranks (key heads % tp == 0 and value
@@ -46,10 +48,13 @@ TP_OVERRIDES = dict(hidden_size=64, num_key_heads=8, num_value_heads=16, key_hea
 
 def case_name(case: dict) -> str:
     return (f"{'fused' if case['fused'] else 'unfused'}-sp{int(case['sequence_parallel'])}"
-            f"-{case['dtype']}-gradfp32{int(case['grad_reduce_in_fp32'])}")
+            f"-{case['dtype']}-gradfp32{int(case['grad_reduce_in_fp32'])}"
+            f"{'-distopt' if case['distributed_optimizer'] else ''}")
 
 
 def ref_key(case: dict) -> tuple:
+    """The TP=1 reference of a case (the distributed optimizer's buffer layout does not change
+    the full gradient, so both share one)."""
     return (case["fused"], case["dtype"], case["grad_reduce_in_fp32"])
 
 
@@ -69,23 +74,25 @@ def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
-def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool):
+def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool,
+             distributed_optimizer: bool = False):
     """megatron's DistributedDataParallel around ``module``, as a training script builds it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
 
 
-def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor) -> dict:
+def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
+          distributed_optimizer: bool = False) -> dict:
     """DDP wrap, zero grad buffer, forward, backward, stock finalize_model_grads."""
     from megatron.core.distributed import finalize_model_grads
 
-    model = wrap_ddp(module, grad_reduce_in_fp32)
+    model = wrap_ddp(module, grad_reduce_in_fp32, distributed_optimizer)
     model.zero_grad_buffer()
     out = model(x.contiguous(), attention_mask=None)[0]
     out.backward(dy.contiguous())
@@ -146,7 +153,8 @@ def run_rank(rank: int, tp_size: int, ref_path: str, out_path: str,
         x, dy = ref["x"].to(device), ref["dy"].to(device)
         if case["sequence_parallel"]:
             x, dy = x.chunk(tp_size, dim=0)[rank], dy.chunk(tp_size, dim=0)[rank]
-        results[case_name(case)] = _step(module, case["grad_reduce_in_fp32"], x, dy)
+        results[case_name(case)] = _step(module, case["grad_reduce_in_fp32"], x, dy,
+                                         case["distributed_optimizer"])
     torch.save(results, out_path)
     return results
 

@@ -475,7 +475,8 @@ def kernel_times_ms(step, iters: int) -> tuple[dict, dict]:
 def tp_mode(tp: int, rank: int) -> dict:
     """TP=tp over NCCL: one layer in megatron's DistributedDataParallel, the out_norm weight
     main_grad after the stock finalize_model_grads equals the TP=1 grad on every rank (SP on/off,
-    fp32/bf16 params, grad_reduce_in_fp32 on/off, fused and unfused)."""
+    fp32/bf16 params, grad_reduce_in_fp32 on/off, distributed optimizer on/off, fused and
+    unfused)."""
     from core.testing.gdn_tp import (CASES, case_name, make_reference, ref_key, run_rank,
                                      tolerance)
     from core.testing.gdn_tp import rel_err as tp_rel_err

@@ -1,6 +1,6 @@
 """TP = 2 and TP = 4 on gloo (spawned CPU processes): one GatedDeltaNet layer wrapped in
-megatron's real DistributedDataParallel (grad_reduce_in_fp32 on and off; fp32 and bf16 params,
-so main_grad is fp32 or bf16), then the stock finalize_model_grads. The out_norm weight gradient
+megatron's real DistributedDataParallel (grad_reduce_in_fp32 and use_distributed_optimizer on and
+off; fp32 and bf16 params, so main_grad is fp32 or bf16), then the stock finalize_model_grads. The out_norm weight gradient
 (DDP's main_grad) equals the TP = 1 gradient on every rank and is bitwise identical across the
 ranks, with sequence parallelism on and off, fused and unfused paths."""
 

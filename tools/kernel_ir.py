@@ -26,7 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret (before triton is imported)
+if __name__ == "__main__":  # compile, never interpret (before triton is imported); imported by
+    os.environ.pop("TRITON_INTERPRET", None)  # tests/fusions/test_compile.py, it leaves it be
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -53,13 +54,27 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _recording(launcher):
+def recording(launcher):
+    """While open, ``launcher`` (a DirectLauncher) runs nothing and appends the ``(args,
+    kwargs)`` of each kernel launch to the yielded list; nothing it compiled before is used."""
     kernel, compiled = launcher.kernel, launcher.compiled
     launcher.kernel, launcher.compiled = _Recorder(), {}
     try:
         yield launcher.kernel.launches
     finally:
         launcher.kernel, launcher.compiled = kernel, compiled
+
+
+def sm90_binder(kernel):
+    """Triton's own argument binder for ``kernel`` (a @triton.jit function of fused_gated_norm)
+    and an sm_90 target: ``binder(*args, **kwargs) -> (bound, specialization, options)``, the
+    specialisation and options being the compiled-kernel cache key. Built from the kernel's
+    Python source, so it works with the interpreter on too; returns (binder, jit, backend)."""
+    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=fgn.PER_STEP_ARGS)
+    if isinstance(jit.fn, JITFunction):
+        jit = jit.fn
+    backend = make_backend(SM90)
+    return create_function_from_signature(jit.signature, jit.params, backend), jit, backend
 
 
 def _tensor(shape, dtype, unaligned):
@@ -78,22 +93,20 @@ def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: 
     x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
     weight = torch.ones(dim, dtype=dtype)
     if kernel == "fwd":
-        with _recording(fgn.launch_forward) as launches:
+        with recording(fgn.launch_forward) as launches:
             fgn.forward_impl(x, gate, weight, 1e-6, bt=bt, warps=warps,
                              out=_tensor(shape, dtype, int(unaligned)))
     else:
         rstd = torch.ones(shape[:3])
-        with _recording(fgn.launch_backward) as launches, _recording(fgn.launch_dw_sum):
+        with recording(fgn.launch_backward) as launches, recording(fgn.launch_dw_sum):
             fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps)
     return launches[0]
 
 
 def compile_sm90(kernel: str, args: tuple, kwargs: dict):
     """What JITFunction.run compiles for these arguments, for an sm_90 target."""
-    jit = getattr(fgn, {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd"}[kernel])
-    jit = JITFunction(getattr(jit, "fn", jit), do_not_specialize=fgn.PER_STEP_ARGS)
-    backend = make_backend(SM90)
-    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    binder, jit, backend = sm90_binder(
+        getattr(fgn, {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd"}[kernel]))
     bound, specialization, options = binder(*args, **kwargs)
     kinds = [s[0] for s in specialization]
     constexprs = {path: get_iterable_path(list(bound.values()), path)

@@ -9,7 +9,11 @@ GPU).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from core.fusions.fused_gated_norm import fused_gated_norm
 # The module, not the function that core.fusions re-exports under the same name.
 fgn = importlib.import_module("core.fusions.fused_gated_norm")
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
@@ -75,47 +80,31 @@ def test_custom_op_passes_opcheck():
 # ------------------------------------------------------------------------------------------------
 
 
-def _sm90_binder(kernel_name):
-    """Triton's own argument binder for the kernel, for an sm_90 (H100/H200) target: it returns
-    the specialisation that, with the options, forms the compiled-kernel cache key. Built from
-    the kernel's Python source so it also works when the interpreter is on."""
+@functools.lru_cache(maxsize=None)
+def _kernel_ir():
+    """tools/kernel_ir.py: Triton's own binder for an sm_90 target and a launch recorder."""
+    spec = importlib.util.spec_from_file_location("kernel_ir", ROOT / "tools" / "kernel_ir.py")
+    module = importlib.util.module_from_spec(spec)
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
+        spec.loader.exec_module(module)
     except ImportError as e:  # pragma: no cover - other Triton layouts
         pytest.skip(f"Triton internals moved: {e}")
-    kernel = getattr(fgn, kernel_name)
-    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=fgn.PER_STEP_ARGS)
-    if isinstance(jit.fn, JITFunction):
-        jit = jit.fn
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    return create_function_from_signature(jit.signature, jit.params, backend)
+    return module
 
 
-class _RecordLaunch:
-    """Stands in for a @triton.jit kernel: records the launch arguments instead of running."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((args, kwargs))
-
-        return launch
-
-
-def _keys(monkeypatch, kernel_name, run):
-    binder = _sm90_binder(kernel_name)
-    recorder = _RecordLaunch()
-    launcher = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward,
-                "gated_norm_dw_sum": fgn.launch_dw_sum}[kernel_name]
-    monkeypatch.setattr(launcher, "kernel", recorder)  # records: returns no compiled kernel to keep
-    monkeypatch.setattr(launcher, "compiled", {})  # so nothing kept from earlier tests bypasses it
-    run()
+def _keys(kernel_name, run):
+    """The compile-cache key (specialisation, options) of every launch of ``kernel_name`` that
+    ``run()`` makes, for an sm_90 target; nothing runs."""
+    kernel_ir = _kernel_ir()
+    binder = kernel_ir.sm90_binder(getattr(fgn, kernel_name))[0]
+    launchers = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward,
+                 "gated_norm_dw_sum": fgn.launch_dw_sum}
+    with contextlib.ExitStack() as stack:  # every launcher records: no kernel runs
+        launches = {name: stack.enter_context(kernel_ir.recording(launcher))
+                    for name, launcher in launchers.items()}
+        run()
     keys = []
-    for args, kwargs in recorder.launches:
+    for args, kwargs in launches[kernel_name]:
         _, specialization, options = binder(*args, **kwargs)
         keys.append(repr((specialization, options)))
     return keys
@@ -156,7 +145,7 @@ def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heurist
 
     for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards),
                              ("gated_norm_dw_sum", backwards)):
-        keys = _keys(monkeypatch, kernel_name, run)
+        keys = _keys(kernel_name, run)
         assert len(keys) == 2 * len(seqs)
         bshd, sbhd = set(keys[0::2]), set(keys[1::2])
         assert len(bshd) == 1, f"{kernel_name}: {len(bshd)} compiled variants for {len(seqs)} token counts"

@@ -11,7 +11,13 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
     (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
 
     python tools/gdn_layer.py [--out DIR] [--parts parity,perf,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
+    torchrun --nproc-per-node 2 tools/gdn_layer.py --tp 2 [--out DIR]   # -> DIR/gdn_layer_tp2.json
     python tools/gdn_layer.py --cpu --out DIR     # tiny shapes on the CPU (a dry run of this script)
+
+With ``--tp N`` (N processes, NCCL) it records, per case of core.testing.gdn_tp (flag on and
+off, sequence parallelism, fp32/bf16 params, DDP grad_reduce_in_fp32 and the distributed
+optimizer on and off), the out_norm dW after megatron's finalize_model_grads against TP = 1 and
+whether every rank holds the same bits.
 
 The pass/fail checks of the same quantities are tests/gpu/test_gdn_layer_gpu.py.
 """
@@ -383,6 +389,48 @@ def init_single_process(setup: LayerSetup) -> None:
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 
+TP_SEQ = 256
+
+
+def tensor_parallel_grads(tp: int) -> dict:
+    """One rank of a TP run started by torchrun: the TP = 1 reference on every rank (same seeds),
+    then TP = ``tp``; per case, the out_norm dW's relative error against TP = 1, its tolerance
+    and whether all ranks hold the same bits."""
+    import tempfile
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from core.testing.gdn_tp import CASES, case_name, make_reference, ref_key, rel_err, run_rank, tolerance
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = torch.distributed.get_rank()
+    sizes = dict(QWEN3_NEXT)
+    hidden = sizes.pop("hidden_size")
+    scratch = tempfile.mkdtemp(prefix=f"gdn_tp_rank{rank}_")
+    ref_path = os.path.join(scratch, "ref.pt")
+    for size in (1, tp):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        if size == 1:
+            make_reference(ref_path, seq=TP_SEQ, batch=2, deterministic_mode=True, hidden_size=hidden, **sizes)
+    results = run_rank(rank, tp, ref_path, os.path.join(scratch, f"tp_rank{rank}.pt"))
+    ref = torch.load(ref_path, weights_only=False)["ref"]
+    summary = {}
+    for case in CASES:
+        got = results[case_name(case)]["after"]
+        gathered = [torch.zeros_like(got).cuda() for _ in range(tp)]
+        torch.distributed.all_gather(gathered, got.cuda())
+        summary[case_name(case)] = {"rel_err_vs_tp1": rel_err(got, ref[ref_key(case)]["dw"]),
+                                    "tolerance": tolerance(case),
+                                    "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered)}
+    return summary
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
@@ -390,7 +438,21 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
     args = parser.parse_args(argv)
+    if args.tp > 1:
+        from tools.bench_common import environment, write_json
+
+        from core.testing.cpu import patch_checkpoint_without_output_fp8
+
+        patch_checkpoint_without_output_fp8()
+        results = {"env": environment(), "tp": tensor_parallel_grads(args.tp)}
+        if torch.distributed.get_rank() == 0:
+            print(f"wrote {write_json(results, args.out, f'gdn_layer_tp{args.tp}.json')}")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
     parts = args.parts.split(",")
     if set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")

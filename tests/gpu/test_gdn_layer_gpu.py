@@ -11,7 +11,6 @@ Needs megatron-core and fla-core; on Hopper, FLA 0.6's GDN backward needs triton
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __name__ == "__main__":  # the TP worker, started by torchrun from the test below
-    sys.path.insert(0, str(ROOT))
+from tools.gdn_layer import LayerSetup, fwd_bwd, init_single_process, layer_parity
 
-from tools.gdn_layer import QWEN3_NEXT, LayerSetup, fwd_bwd, init_single_process, layer_parity  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.gpu
 
 PARITY_SHAPE = (4096, 1)  # (sequence, batch)
 LAYER_ERR_SLACK = 1.05  # FLA's bf16 kernels dominate the layer's error; the norm's own contract
 #                         is checked on the norm section
-TP_SEQ = 256
 
 
 def _fla_gdn_backward_missing() -> str:
@@ -98,58 +94,17 @@ def test_recompute_of_the_norm_repeats_every_bit(setup):
 @requires_fla
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (TP = 2 over NCCL)")
 def test_tp2_out_norm_grad_equals_tp1(tmp_path):
-    out = tmp_path / "tp2.json"
+    """tools/gdn_layer.py --tp 2 under torchrun: every case of core.testing.gdn_tp (flag on and
+    off, SP on and off, fp32/bf16 params, DDP grad_reduce_in_fp32 and distributed optimizer on
+    and off), the out_norm dW after finalize_model_grads against TP = 1, on every rank."""
+    from core.testing.gdn_tp import CASES
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(Path(__file__)), str(out)]
+           "tools/gdn_layer.py", "--tp", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cases = json.loads(out.read_text())
-    assert cases
+    cases = json.loads((tmp_path / "gdn_layer_tp2.json").read_text())["tp"]
+    assert len(cases) == len(CASES)
     for name, case in cases.items():
         assert case["ranks_identical"], name
         assert case["rel_err_vs_tp1"] <= case["tolerance"], name
-
-
-def tp_worker(out_path: str) -> None:
-    """One rank of the TP run: the TP = 1 reference on every rank (same seeds), then TP = 2;
-    rank 0 writes, per case, the out_norm dW's error against TP = 1 and whether the ranks agree."""
-    import tempfile
-
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from core.testing.gdn_tp import CASES, case_name, make_reference, ref_key, rel_err, run_rank, tolerance
-
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, tp = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    sizes = dict(QWEN3_NEXT)
-    hidden = sizes.pop("hidden_size")
-    scratch = tempfile.mkdtemp(prefix=f"gdn_tp_rank{rank}_")
-    ref_path = os.path.join(scratch, "ref.pt")
-    for size in (1, tp):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
-        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
-        if size == 1:
-            make_reference(ref_path, seq=TP_SEQ, batch=2, deterministic_mode=True, hidden_size=hidden, **sizes)
-    results = run_rank(rank, tp, ref_path, os.path.join(scratch, f"tp_rank{rank}.pt"))
-    ref = torch.load(ref_path, weights_only=False)["ref"]
-    summary = {}
-    for case in CASES:
-        got = results[case_name(case)]["after"].cuda()
-        gathered = [torch.zeros_like(got) for _ in range(tp)]
-        torch.distributed.all_gather(gathered, got)
-        summary[case_name(case)] = {"rel_err_vs_tp1": rel_err(got.cpu(), ref[ref_key(case)]["dw"]),
-                                    "tolerance": tolerance(case),
-                                    "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered)}
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(summary, indent=1))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    tp_worker(sys.argv[1])

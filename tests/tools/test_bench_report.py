@@ -12,7 +12,7 @@ import pytest
 from tools import bench_report, benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDED = ROOT / "docs" / "results" / "benchmark_h200.json"
+RECORDED = ROOT / "docs" / "results" / "benchmark.json"
 
 
 def impl(fwd_graph, bwd_graph, ceiling=4000.0, nbytes=(6e6, 10e6)):

@@ -1,7 +1,7 @@
 """Report of a benchmark.json (tools/benchmark.py): ours against the fastest peer, the summary
 table, the CSV and the plot. Needs no GPU:
 
-    python tools/benchmark.py --report docs/results/benchmark_h200.json --out DIR
+    python tools/benchmark.py --report docs/results/benchmark.json --out DIR
 """
 
 from __future__ import annotations

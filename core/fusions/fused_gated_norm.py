@@ -263,19 +263,22 @@ def gated_norm_bwd(
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
-def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr):
-    """``dweight = round(sum_p dw_partial[p])``: program c sums columns [c * BLOCK_COLS, ...) of
-    the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the same bits every run) and
-    rounds once to the weight's dtype. BLOCK_P covers the most partials any launch can have, so
-    the token count never changes it. torch's ``sum(0).to()`` took 9.4 us (H200, two kernels):
-    a third of the whole backward at 32k rows."""
+def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``dweight = round(WEIGHT_GRAD_SCALE * sum_p dw_partial[p])``: program c sums columns
+    [c * BLOCK_COLS, ...) of the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the
+    same bits every run), scales the fp32 sum and rounds once to the weight's dtype, so a power
+    of two scale is exact (and 1.0 changes no bit). WEIGHT_GRAD_SCALE is a runtime fp32 argument
+    (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
+    most partials any launch can have, so the token count never changes it. torch's
+    ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows."""
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     parts = tl.arange(0, BLOCK_P)
     mask = (parts[:, None] < PROGRAMS) & (cols[None, :] < D)
     tile = tl.load(dw_partial + parts[:, None] * D + cols[None, :], mask=mask, other=0.0)
     W_DTYPE: tl.constexpr = dweight.dtype.element_ty
-    tl.store(dweight + cols, _round_to(tl.sum(tile, axis=0), W_DTYPE).to(W_DTYPE), mask=cols < D)
+    dw = tl.sum(tile, axis=0) * WEIGHT_GRAD_SCALE
+    tl.store(dweight + cols, _round_to(dw, W_DTYPE).to(W_DTYPE), mask=cols < D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,17 +380,19 @@ def backward_impl(
     *,
     activation: str = "silu",
     programs: Optional[int] = None,
+    weight_grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
 
     dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides with a unit last
-    dim). dweight is the fixed-order sum of the per-program fp32 partials, in the weight's dtype.
+    dim). dweight is the fixed-order sum of the per-program fp32 partials times
+    ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype.
     """
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    if rows == 0 or dim == 0:
+    if rows == 0 or dim == 0:  # no row contributes: dW is zero at any scale
         return dx, dgate, torch.zeros_like(weight)
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
@@ -406,18 +411,20 @@ def backward_impl(
          zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation),
         warps or cfg.warps,
     )
-    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg)
+    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg, weight_grad_scale)
 
 
-def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch) -> torch.Tensor:
-    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> dW of ``dtype``. The kernel's
-    block is sized by ``cfg.max_programs`` (the launch heuristics' cap), so fewer partials (fewer
-    rows) reuse the compiled kernel."""
+def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,
+                    weight_grad_scale: float = 1.0) -> torch.Tensor:
+    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> ``weight_grad_scale`` times
+    their sum, as dW of ``dtype``. The kernel's block is sized by ``cfg.max_programs`` (the launch
+    heuristics' cap), so fewer partials (fewer rows) reuse the compiled kernel."""
     programs, dim = dw_partial.shape
     dweight = dw_partial.new_empty(dim, dtype=dtype)
     block_p = next_power_of_2(max(programs, cfg.max_programs))
     launch_dw_sum(cdiv(dim, cfg.dw_sum_columns), (dw_partial, dweight),
-                  (programs, dim, block_p, cfg.dw_sum_columns), cfg.dw_sum_warps)
+                  (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns),
+                  cfg.dw_sum_warps)
     return dweight
 
 
@@ -447,11 +454,13 @@ class _FusedGatedNorm(torch.autograd.Function):
     caller's tensors, not copies), the weight and one fp32 rstd per row."""
 
     @staticmethod
-    def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation):
+    def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation,
+                weight_grad_scale):
         buffer, rstd = _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.zero_centered = zero_centered
         ctx.activation = activation
+        ctx.weight_grad_scale = weight_grad_scale
         return _as_bshd(buffer, out_layout)
 
     @staticmethod
@@ -459,9 +468,10 @@ class _FusedGatedNorm(torch.autograd.Function):
     def backward(ctx, dout):
         x, gate, weight, rstd = ctx.saved_tensors
         dx, dgate, dweight = backward_impl(
-            x, gate, weight, rstd, dout, ctx.zero_centered, activation=ctx.activation
+            x, gate, weight, rstd, dout, ctx.zero_centered, activation=ctx.activation,
+            weight_grad_scale=ctx.weight_grad_scale,
         )
-        return dx, dgate, dweight, None, None, None, None
+        return dx, dgate, dweight, None, None, None, None, None
 
 
 # torch.compile path. Dynamo cannot trace into a Triton launch wrapper with Python-side
@@ -473,13 +483,13 @@ class _FusedGatedNorm(torch.autograd.Function):
 @torch.library.custom_op("gdn_fusions::gated_norm_fwd", mutates_args=())
 def _gated_norm_fwd_op(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-    out_layout: str, activation: str,
+    out_layout: str, activation: str, weight_grad_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
 
 
 @_gated_norm_fwd_op.register_fake
-def _(x, gate, weight, eps, zero_centered, out_layout, activation):
+def _(x, gate, weight, eps, zero_centered, out_layout, activation, weight_grad_scale):
     batch, seq, heads, dim = x.shape
     shape = (seq, batch, heads, dim) if out_layout == "sbhd" else (batch, seq, heads, dim)
     return x.new_empty(shape), x.new_empty((batch, seq, heads), dtype=torch.float32)
@@ -488,28 +498,31 @@ def _(x, gate, weight, eps, zero_centered, out_layout, activation):
 @torch.library.custom_op("gdn_fusions::gated_norm_bwd", mutates_args=())
 def _gated_norm_bwd_op(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-    dy: torch.Tensor, zero_centered: bool, activation: str,
+    dy: torch.Tensor, zero_centered: bool, activation: str, weight_grad_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_impl(x, gate, weight, rstd, dy, zero_centered, activation=activation)
+    return backward_impl(x, gate, weight, rstd, dy, zero_centered, activation=activation,
+                         weight_grad_scale=weight_grad_scale)
 
 
 @_gated_norm_bwd_op.register_fake
-def _(x, gate, weight, rstd, dy, zero_centered, activation):
+def _(x, gate, weight, rstd, dy, zero_centered, activation, weight_grad_scale):
     return x.new_empty(x.shape), gate.new_empty(gate.shape), torch.empty_like(weight)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    x, gate, weight, _eps, zero_centered, out_layout, activation = inputs
+    x, gate, weight, _eps, zero_centered, out_layout, activation, weight_grad_scale = inputs
     ctx.save_for_backward(x, gate, weight, output[1])
     ctx.zero_centered, ctx.out_layout, ctx.activation = zero_centered, out_layout, activation
+    ctx.weight_grad_scale = weight_grad_scale
 
 
 def _fwd_op_backward(ctx, dbuffer, _drstd):
     x, gate, weight, rstd = ctx.saved_tensors
     dx, dgate, dweight = _gated_norm_bwd_op(
-        x, gate, weight, rstd, _as_bshd(dbuffer, ctx.out_layout), ctx.zero_centered, ctx.activation
+        x, gate, weight, rstd, _as_bshd(dbuffer, ctx.out_layout), ctx.zero_centered,
+        ctx.activation, ctx.weight_grad_scale,
     )
-    return dx, dgate, dweight, None, None, None, None
+    return dx, dgate, dweight, None, None, None, None, None
 
 
 _gated_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -524,6 +537,7 @@ def fused_gated_norm(
     *,
     out_layout: str = "bshd",
     activation: str = "silu",
+    weight_grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """``round(round(rms_norm(x) * w_eff) * act(gate))`` over the last dim of [B, S, H, D] views.
 
@@ -538,28 +552,37 @@ def fused_gated_norm(
         out_layout: "bshd" returns a contiguous tensor; "sbhd" returns a [B, S, H, D] view of a
             contiguous [S, B, H, D] buffer, so ``out.transpose(0, 1)`` is contiguous for free.
         activation: "silu" (GDN) or "sigmoid".
+        weight_grad_scale: the factor the weight's gradient is multiplied by, e.g. the TP size
+            for a weight shared by TP ranks whose gradient is averaged over TP. A finite number
+            > 0, applied in fp32 before dW's single rounding (exact for powers of two).
     Returns:
         [B, S, H, D] tensor in x's dtype; differentiable once w.r.t. x, gate and weight.
     """
     check_gated_norm_inputs(x, gate, weight, eps)
+    check_positive_number("fused_gated_norm", "weight_grad_scale", weight_grad_scale)
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"fused_gated_norm: out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(
             f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
         )
-    return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation)
+    return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                      weight_grad_scale)
 
 
-def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation):
+def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
+                               weight_grad_scale=1.0):
     """``fused_gated_norm`` without its input checks, for a caller that has just run them (the
     Megatron module runs ``validate_gated_norm``, which includes them): they are not repeated on
     the hot path. Picks the eager autograd Function or, under torch.compile, the custom op."""
     eps = float(eps)  # an int eps would compile another kernel variant (1 is specialised)
+    weight_grad_scale = float(weight_grad_scale)  # likewise (the kernel's argument is fp32)
     if torch.compiler.is_compiling():
-        buffer, _ = _gated_norm_fwd_op(x, gate, weight, eps, zero_centered, out_layout, activation)
+        buffer, _ = _gated_norm_fwd_op(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                       weight_grad_scale)
         return _as_bshd(buffer, out_layout)
-    return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation)
+    return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                 weight_grad_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,6 +643,15 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
     number = type(eps) is float or (isinstance(eps, (float, int)) and not isinstance(eps, bool))
     if not number or not 0 < eps < math.inf:  # the comparison also rejects NaN
         raise ValueError(f"fused_gated_norm: eps must be a finite number > 0, got {eps!r}")
+
+
+def check_positive_number(entry: str, name: str, value) -> None:
+    """A Python int or float (not a bool, not a tensor: reading one would sync the device) that
+    is finite and > 0: TypeError for the type, ValueError for the value."""
+    if type(value) is not float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise TypeError(f"{entry}: {name} must be a Python float, got {type(value).__name__}")
+    if not 0 < value < math.inf:  # the comparison also rejects NaN
+        raise ValueError(f"{entry}: {name} must be finite and > 0, got {value!r}")
 
 
 def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:

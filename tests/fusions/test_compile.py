@@ -53,7 +53,8 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
     x, gate, weight = make_inputs(2, 5, strided_gate=True)
 
     def layer(x, gate, weight):
-        out = fused_gated_norm(x, gate, weight, EPS, True, out_layout=out_layout)
+        out = fused_gated_norm(x, gate, weight, EPS, True, out_layout=out_layout,
+                               weight_grad_scale=2.0)
         return out * 2.0  # something around the op, so the graph is not just the op
 
     compiled = torch.compile(layer, fullgraph=True, backend=backend)  # raises on a graph break
@@ -70,7 +71,7 @@ def test_custom_op_passes_opcheck():
     x, gate, weight = make_inputs(1, 4)
     x.requires_grad_()
     torch.library.opcheck(
-        fgn._gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu"),
+        fgn._gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu", 2.0),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 
@@ -135,13 +136,14 @@ def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heurist
             sbhd = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
             fgn.forward_impl(x, gate, weight, EPS, out=sbhd.transpose(0, 1))
 
-    def backwards():
-        for x, gate, weight in inputs:
+    def backwards():  # a new weight_grad_scale (a runtime float) with every token count too
+        for scale, (x, gate, weight) in enumerate(inputs, start=1):
             rstd = torch.ones(x.shape[:3], device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, torch.ones_like(x))
+            fgn.backward_impl(x, gate, weight, rstd, torch.ones_like(x), weight_grad_scale=scale / 4)
             seq, heads, dim = x.shape[1:]
             dy_sbhd = torch.ones((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1))
+            fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1),
+                              weight_grad_scale=float(scale))
 
     for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards),
                              ("gated_norm_dw_sum", backwards)):

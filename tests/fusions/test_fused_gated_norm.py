@@ -255,6 +255,26 @@ def test_backward_is_deterministic():
         assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [2.0, 8])
+def test_weight_grad_scale_multiplies_dw_exactly(weight_dtype, scale):
+    """A power-of-two scale is applied before dW's one rounding: exactly ``scale`` times the
+    unscaled dW, bit for bit; dx and dgate do not change."""
+    x, gate, weight = make_inputs((2, 6, 3, 64), torch.bfloat16, weight_dtype)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=2)[0]
+
+    def run(**kwargs):
+        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+        return torch.autograd.grad(fused_gated_norm(*leaves, EPS, **kwargs), leaves, dy)
+
+    dx, dgate, dweight = run()
+    dx_s, dgate_s, dweight_s = run(weight_grad_scale=scale)
+    assert torch.equal(dx_s, dx) and torch.equal(dgate_s, dgate)
+    assert dweight_s.dtype == weight_dtype
+    assert torch.equal(dweight_s, dweight * scale)
+    assert not torch.equal(dweight_s, dweight)
+
+
 def test_integer_eps_reaches_the_kernel_as_a_float(monkeypatch):
     # An int would be another kernel argument type (and 1 a specialised value): one more compile.
     seen, forward_impl = [], kernel_module.forward_impl
@@ -337,6 +357,12 @@ def _bad_inputs():
         "eps_inf": ((x, gate, weight, math.inf), ValueError, "eps must be a finite number > 0"),
         "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), ValueError, "eps must be a finite number"),
         "not_tensor": ((x.tolist(), gate, weight, EPS), TypeError, "x must be a torch.Tensor"),
+        **{f"weight_grad_scale_{name}": ((x, gate, weight, EPS, False, {"weight_grad_scale": value}),
+                                         error, "weight_grad_scale must be")
+           for name, value, error in (("zero", 0.0, ValueError), ("negative", -2.0, ValueError),
+                                      ("nan", math.nan, ValueError), ("inf", math.inf, ValueError),
+                                      ("str", "2", TypeError), ("bool", True, TypeError),
+                                      ("tensor", torch.tensor(2.0), TypeError))},
     }
 
 
@@ -347,8 +373,9 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
 
     monkeypatch.setattr(kernel_module, "forward_impl", no_launch)
     args, error, message = _bad_inputs()[case]
+    kwargs = args[-1] if isinstance(args[-1], dict) else {}
     with pytest.raises(error, match=message):
-        fused_gated_norm(*args)
+        fused_gated_norm(*args[:len(args) - bool(kwargs)], **kwargs)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

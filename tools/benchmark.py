@@ -245,7 +245,7 @@ def time_impl(fn, shape, variant):
 
 def inference_entry(shape, fla_fn):
     try:
-        from core.fusions.fused_gdn_gated_rms_norm import fused_gdn_gated_rms_norm
+        from core.fusions import fused_gdn_gated_rms_norm
     except ImportError as e:
         return {"skipped": str(e)}
     b, s, h, d = shape

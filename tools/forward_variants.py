@@ -14,7 +14,6 @@ variant is ported to ``gated_norm_fwd`` afterwards.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
@@ -27,10 +26,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import core.fusions.fused_gated_norm as _fgn  # noqa: E402
 from benchmark import bench, bytes_moved, copy_ceiling  # noqa: E402  (tools/benchmark.py)
-
-# The module, not the function of the same name that core.fusions re-exports.
-_fgn = importlib.import_module("core.fusions.fused_gated_norm")
 
 
 @triton.jit

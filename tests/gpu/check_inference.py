@@ -8,19 +8,19 @@
 3. Host cost per call (validation alone, the whole call) at one token, where the launch is
    host-bound.
 4. Timing (do_bench, median) of the inference call vs the training forward at serving shapes.
-The parity tests run on the GPU with `pytest tests/fusions/test_fused_gdn_gated_rms_norm.py`.
+The parity tests run on the GPU with `pytest tests/fusions/test_gated_norm_inference.py`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 
 import torch
 from triton.testing import do_bench
 
-from core.fusions import fused_gated_norm, fused_gdn_gated_rms_norm
+from core.fusions import fused_gdn_gated_rms_norm
+from core.fusions.fused_gated_norm import fused_gated_norm
 from core.fusions.gated_norm_reference import one_rounding_gated_norm
 
 EPS = 1e-6
@@ -70,7 +70,8 @@ def cuda_graph_check() -> dict:
 
 
 def host_overhead() -> dict:
-    mod = importlib.import_module("core.fusions.fused_gdn_gated_rms_norm")
+    import core.fusions.gated_norm_inference as mod
+
     x = torch.randn(1, HEADS * DIM, device="cuda", dtype=torch.bfloat16)
     z = torch.randn(1, 2 * HEADS * DIM, device="cuda", dtype=torch.bfloat16)[:, HEADS * DIM:]
     weight = torch.rand(DIM, device="cuda", dtype=torch.bfloat16)

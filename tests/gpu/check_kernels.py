@@ -80,9 +80,8 @@ def determinism_check() -> dict:
 
 
 def parity_sources_check() -> dict:
-    import importlib
+    import core.fusions.fused_gated_norm as fgn
 
-    fgn = importlib.import_module("core.fusions.fused_gated_norm")
     shape = (1, 32768, 32, 128)
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -114,9 +113,8 @@ def parity_sources_check() -> dict:
 
 
 def same_row_layout_check() -> dict:
-    import importlib
+    import core.fusions.fused_gated_norm as fgn
 
-    fgn = importlib.import_module("core.fusions.fused_gated_norm")
     shape = (4, 4096, 16, 256)
     numel = 4 * 4096 * 16 * 256
     gen = torch.Generator(device="cuda").manual_seed(0)

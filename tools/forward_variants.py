@@ -12,7 +12,6 @@ from it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
@@ -28,7 +27,7 @@ from tools.bench_common import (bench, bytes_moved, copy_ceiling, environment,  
                                 pct_of_ceiling, require_cuda)
 
 # The module, not the function of the same name that core.fusions re-exports.
-_fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as _fgn  # noqa: E402
 
 
 @triton.jit

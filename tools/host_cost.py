@@ -11,7 +11,6 @@ least disturbed one, as timeit reports).
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch  # noqa: E402
 from core.fusions import fused_gdn_gated_rms_norm  # noqa: E402
 from tools.bench_common import EPS, make_inputs, measure_and_write  # noqa: E402
 
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 ROUNDS, CALLS, WARMUP = 5, 600, 50
 SHAPE = (1, 16, 8, 128)  # 128 rows

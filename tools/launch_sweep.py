@@ -10,7 +10,6 @@ the SM count only; docs/design.md says why.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tools.bench_common import (DTYPE, EPS, bench_graph, bytes_moved, copy_ceili
                                 environment, log, make_inputs, parse_shape, pct_of_ceiling,
                                 require_cuda, write_json)
 
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 DEFAULT_SHAPES = "1x4096x8x128,1x4096x32x128,1x32768x32x128,4x4096x16x256"
 WARPS = (2, 4, 8)

@@ -11,7 +11,6 @@ shared); docs/numerics.md quotes the figures.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm  # noqa: E402
 from tools.bench_common import EPS, measure_and_write  # noqa: E402
 
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 SHAPE = (1, 32768, 32, 128)
 

@@ -1,6 +1,6 @@
 """The inference entry point on a CUDA GPU: 64-bit offsets past 2**31 elements (in place, z a
 slice of a packed projection) and CUDA-graph replay. Parity at small sizes runs on the CPU in
-tests/fusions/test_fused_gdn_gated_rms_norm.py."""
+tests/fusions/test_gated_norm_inference.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ interpreter); what is here needs the GPU's compiler, memory or CUDA graphs."""
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from tools.parity_sources import parity_sources
 
 pytestmark = pytest.mark.gpu
 
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 PARITY_CASES = [((1, 4096, 32, 128), "plain"), ((1, 4096, 32, 128), "strided_gate"),
                 ((1, 4096, 32, 128), "sbhd"), ((2, 8192, 32, 128), "plain"),

@@ -8,7 +8,6 @@ install_cpu_shims()
 
 import copy  # noqa: E402
 import io  # noqa: E402
-import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -153,7 +152,8 @@ def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
 
 def test_fused_forward_checks_inputs_once(monkeypatch):
     """validate_gated_norm includes the kernel's input checks; the module must not repeat them."""
-    kernel_mod = importlib.import_module("core.fusions.fused_gated_norm")
+    import core.fusions.fused_gated_norm as kernel_mod
+
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     calls = []
     real_check = kernel_mod.check_gated_norm_inputs
@@ -253,7 +253,7 @@ def test_validation_accepts_good_inputs(fused_module):
         (lambda m: (m, _xg(heads=3)), ValueError, r"core_attn_out of shape \[batch, seq, 4, 16\]"),
         (lambda m: (m, (_xg()[0], _xg(heads=2)[1])), ValueError, r"gate of shape \[batch, seq, 4, 16\]"),
         (lambda m: (m, (_xg(torch.float64))), TypeError, "x dtype must be bf16, fp16 or fp32"),
-        (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError, "gate dtype must equal x dtype"),
+        (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError, "gate dtype must equal x's dtype"),
         (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])), ValueError,
          "gate must have last-dim stride 1"),
         (lambda m: (m, (_xg()[0].to("meta"), _xg()[1].to("meta"))), ValueError,

@@ -16,14 +16,13 @@ a CUDA graph. Element offsets are 64-bit inside the kernel; row indices (token *
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import (CPU_RULE, INTERPRETED, SUPPORTED_ACTIVATION_DTYPES,
-                                           dense_blocks, launch_forward)
-from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS, cdiv, forward_launch
+from core.fusions.fused_gated_norm import (check_bool, check_head_dim, check_last_dim_stride,
+                                           check_operands, check_positive_number, check_rows,
+                                           check_tensors, dense_blocks, launch_gated_norm_fwd)
+from core.fusions.gated_norm_launch import forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
@@ -52,10 +51,14 @@ def fused_gdn_gated_rms_norm(
         out: x's shape and dtype, last dim contiguous, rows not overlapping each other. May be x
             itself (or z itself): each row is read completely before it is written, by the same
             program. Any partial overlap with x, z or weight is rejected.
-        eps: finite Python number > 0, added to mean(x^2).
+        eps: finite Python float (or int) > 0, added to mean(x^2).
         num_v_heads, head_v_dim: the head split of the last dim; head_v_dim <= MAX_HEAD_DIM.
-        norm_before_gate: True: rms_norm(x) * act(z); False: rms_norm(x * act(z)).
+        norm_before_gate: a bool; True: rms_norm(x) * act(z); False: rms_norm(x * act(z)).
         activation: "swish" / "silu" or "sigmoid".
+
+    Raises TypeError for an argument of the wrong type and ValueError for a value that breaks a
+    rule, before any launch: the same rules, types and messages as ``fused_gated_norm`` where the
+    two share a rule (fused_gated_norm.py, Validation).
 
     No autograd: call it under ``torch.no_grad()`` / ``torch.inference_mode()`` (as vLLM does);
     with grad mode on, inputs that require grad are rejected rather than silently detached. Use
@@ -67,26 +70,22 @@ def fused_gdn_gated_rms_norm(
     tokens = x.shape[0]
     if tokens == 0:
         return
-    rows = tokens * num_v_heads
     cfg = forward_launch(head_v_dim, x.device)
 
-    # [1, T, H, D] strides of the 2-D tensors, built directly instead of through view objects
-    # (cheaper on the host). Batch is 1, so tokens are flat and the batch stride is unused: pass
-    # 0 to keep the compile cache key independent of num_tokens.
-    def strides(t: torch.Tensor) -> tuple[int, int, int]:
-        return (0, t.stride(0), head_v_dim)
+    # The 2-D tensors as [1, T, H, D] views, described by their layout directly instead of
+    # through view objects (cheaper on the host). Batch is 1, so tokens are flat and the batch
+    # stride is unused: 0 keeps the compile cache key independent of num_tokens.
+    def layout(t: torch.Tensor):
+        token_stride = t.stride(0)
+        return ((0, token_stride, head_v_dim), True,
+                dense_blocks(cfg.bt, num_v_heads, head_v_dim, token_stride, head_v_dim, True))
 
-    launch_forward(  # one row block per program, as in training
-        cdiv(rows, cfg.bt),
-        (x, z, weight, out, None),  # no rstd: STORE_RSTD=False
-        (rows, num_v_heads, head_v_dim, tokens,
-         strides(x), strides(z), strides(out), True, True, True,
-         *(dense_blocks(cfg.bt, num_v_heads, head_v_dim, t.stride(0), head_v_dim, True)
-           for t in (x, z, out)),
-         float(eps), False, cfg.bt, cfg.block_d,
-         tl.float32,  # NORM_DTYPE: no intermediate rounding, one rounding at the store
-         kernel_activation, norm_before_gate, False),  # ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD
-        cfg.warps,
+    launch_gated_norm_fwd(
+        x, z, weight, out, None,  # no rstd: nothing is saved for a backward
+        tokens * num_v_heads, num_v_heads, head_v_dim, tokens, (layout(x), layout(z), layout(out)),
+        float(eps), False, kernel_activation,
+        tl.float32,  # no intermediate rounding: one rounding at the store
+        norm_before_gate, cfg.bt, cfg.block_d, cfg.warps,
     )
 
 
@@ -97,24 +96,16 @@ def fused_gdn_gated_rms_norm(
 
 def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation) -> str:
     """Raise TypeError/ValueError naming the argument and the rule; return the kernel's
-    activation name."""
-    for name, t in (("x", x), ("z", z), ("weight", weight), ("out", out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    activation name. Rules shared with the training entry come from fused_gated_norm.py; the
+    device rule comes before the overlap rules, which read addresses."""
+    check_tensors(_NAME, (("x", x), ("z", z), ("weight", weight), ("out", out)))
     for name, v in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{_NAME}: {name} must be an int, got {type(v).__name__}")
         if v <= 0:
             raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
-    if head_v_dim > MAX_HEAD_DIM:
-        raise ValueError(f"{_NAME}: head_v_dim must be <= {MAX_HEAD_DIM}, got {head_v_dim}")
-    # A tensor eps would need .item() (a device sync) to reach the kernel: Python numbers only.
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"{_NAME}: eps must be a Python float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"{_NAME}: eps must be finite and > 0, got {eps!r}")
-    if not isinstance(norm_before_gate, bool):
-        raise TypeError(f"{_NAME}: norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    check_head_dim(_NAME, "head_v_dim", head_v_dim)
+    check_bool(_NAME, "norm_before_gate", norm_before_gate)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
 
@@ -129,68 +120,49 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
     for name, t in (("z", z), ("out", out)):
         if t.shape != shape:
             raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
-    if weight.shape != (head_v_dim,):
-        raise ValueError(f"{_NAME}: weight must have shape ({head_v_dim},) (head_v_dim), got {tuple(weight.shape)}")
-    dtype = x.dtype
-    if dtype not in SUPPORTED_ACTIVATION_DTYPES:
-        raise TypeError(f"{_NAME}: x dtype must be bf16, fp16 or fp32, got {dtype}")
-    for name, t in (("z", z), ("out", out)):
-        if t.dtype != dtype:
-            raise TypeError(f"{_NAME}: {name} dtype must equal x's dtype {dtype}, got {t.dtype}")
-    if weight.dtype != dtype and weight.dtype != torch.float32:
-        raise TypeError(f"{_NAME}: weight dtype must be fp32 or x's dtype {dtype}, got {weight.dtype}")
-    device = x.device
-    if z.device != device or weight.device != device or out.device != device:
-        raise ValueError(
-            f"{_NAME}: x, z, weight and out must be on one device, got "
-            f"{device}, {z.device}, {weight.device}, {out.device}"
-        )
-    if not x.is_cuda and not INTERPRETED:
-        raise ValueError(f"{_NAME}: x must be a CUDA tensor {CPU_RULE}, got device {device}")
-    if weight.stride(0) != 1:
-        raise ValueError(f"{_NAME}: weight must be contiguous, got stride {weight.stride()}")
     tokens = shape[0]
-    # Element offsets are 64-bit in the kernel; the row (token * head) index is 32-bit.
-    if tokens * num_v_heads > MAX_ROWS:  # row indices are 32-bit in the kernel
-        raise ValueError(
-            f"{_NAME}: num_tokens * num_v_heads must be <= {MAX_ROWS}, got {tokens} * {num_v_heads}"
-        )
+    check_operands(_NAME, x, (("z", z), ("out", out)), weight, head_v_dim)
+    check_rows(_NAME, "num_tokens * num_v_heads", tokens * num_v_heads)
+    check_positive_number(_NAME, "eps", eps)
     if tokens:
-        token_strides = {}
-        for name, t in (("x", x), ("z", z), ("out", out)):
-            strides = t.stride()
-            if strides[1] != 1:
-                raise ValueError(f"{_NAME}: {name} must have last-dim stride 1, got strides {strides}")
-            token_strides[name] = strides[0]
-        # Rows of out written by different programs must not share memory (an expanded view).
-        if tokens > 1 and token_strides["out"] < width:
-            raise ValueError(
-                f"{_NAME}: out rows must not overlap each other: token stride {token_strides['out']} "
-                f"< row width {width}"
-            )
-        # Byte spans first (cheap, from the strides read above); the exact test only when they meet.
-        size = x.element_size()
-        out_lo = out.data_ptr()
-        out_hi = out_lo + ((tokens - 1) * token_strides["out"] + width) * size
-        for name, t in (("x", x), ("z", z)):
-            if t is out:  # the common in-place call
-                continue
-            lo = t.data_ptr()
-            hi = lo + ((tokens - 1) * token_strides[name] + width) * size
-            if lo < out_hi and out_lo < hi and _overlap(out, t) == "partial":
-                raise ValueError(
-                    f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
-                    f"or not overlap it; it partially overlaps {name}"
-                )
-        weight_lo = weight.data_ptr()
-        if weight_lo < out_hi and out_lo < weight_lo + head_v_dim * weight.element_size():
-            raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
+        _check_strides_and_overlap(x, z, weight, out, tokens, width, head_v_dim)
     if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad or weight.requires_grad or out.requires_grad):
         raise ValueError(
             f"{_NAME}: has no autograd, but an input requires grad with grad mode enabled; call it "
             "under torch.no_grad() or torch.inference_mode(), or use fused_gated_norm to train"
         )
     return _ACTIVATIONS[activation]
+
+
+def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_v_dim: int) -> None:
+    """Unit last-dim strides, then: rows of out do not overlap each other, and out is x or z
+    itself or does not overlap them; it never overlaps the weight (ValueError)."""
+    x_strides, z_strides, out_strides = check_last_dim_stride(
+        _NAME, (("x", x), ("z", z), ("out", out)))
+    token_strides = {"x": x_strides[0], "z": z_strides[0], "out": out_strides[0]}
+    # Rows of out written by different programs must not share memory (an expanded view).
+    if tokens > 1 and token_strides["out"] < width:
+        raise ValueError(
+            f"{_NAME}: out rows must not overlap each other: token stride {token_strides['out']} "
+            f"< row width {width}"
+        )
+    # Byte spans first (cheap, from the strides read above); the exact test only when they meet.
+    size = x.element_size()
+    out_lo = out.data_ptr()
+    out_hi = out_lo + ((tokens - 1) * token_strides["out"] + width) * size
+    for name, t in (("x", x), ("z", z)):
+        if t is out:  # the common in-place call
+            continue
+        lo = t.data_ptr()
+        hi = lo + ((tokens - 1) * token_strides[name] + width) * size
+        if lo < out_hi and out_lo < hi and _overlap(out, t) == "partial":
+            raise ValueError(
+                f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
+                f"or not overlap it; it partially overlaps {name}"
+            )
+    weight_lo = weight.data_ptr()
+    if weight_lo < out_hi and out_lo < weight_lo + head_v_dim * weight.element_size():
+        raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import core.fusions.fused_gated_norm as kernel_module
+import core.fusions.gated_norm_inference as mod
 from core.fusions import fused_gdn_gated_rms_norm
+from core.fusions.gated_norm_launch import MAX_HEAD_DIM
 from core.fusions.gated_norm_reference import one_rounding_gated_norm, ulp_distance
+from tests.gated_norm_inputs import DEVICE, EPS, make_inputs
 
-# The package attribute of this name is the function, so `import ... as mod` would get it.
-mod = importlib.import_module("core.fusions.fused_gdn_gated_rms_norm")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = 1e-6
 TOKENS, HEADS, DIM = 5, 3, 96  # DIM not a power of two: masked columns
 
 
@@ -32,16 +29,13 @@ def make(tokens, heads, dim, dtype, layout, weight_dtype=None, seed=0):
     packed: x and z are column slices of one packed projection at odd offsets (token-strided);
     inplace: out is x; inplace_packed: out is x, and x and z are interleaved slices of one buffer.
     """
-    gen = torch.Generator().manual_seed(seed)
+    x, z, weight = make_inputs((tokens, heads, dim), dtype, weight_dtype, seed)
+    x, z = x.flatten(1), z.flatten(1)
     width = heads * dim
-    weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(DEVICE, weight_dtype or dtype)
-    if layout in ("packed", "inplace_packed"):
-        proj = torch.randn(tokens, 2 * width + 7, generator=gen).to(DEVICE, dtype)
+    if layout in ("packed", "inplace_packed"):  # odd offsets, 7 elements of slack
+        proj = torch.zeros(tokens, 2 * width + 7, dtype=dtype, device=DEVICE)
+        proj[:, 3:3 + width], proj[:, width + 5:2 * width + 5] = x, z
         x, z = proj[:, 3:3 + width], proj[:, width + 5:2 * width + 5]
-        z.mul_(2)
-    else:
-        x = torch.randn(tokens, width, generator=gen).to(DEVICE, dtype)
-        z = (2 * torch.randn(tokens, width, generator=gen)).to(DEVICE, dtype)
     out = x if layout.startswith("inplace") else torch.full_like(x, float("nan"))
     return x, z, weight, out
 
@@ -106,7 +100,7 @@ def test_fp32_weight_with_bf16_activations(norm_before_gate):
 def test_differs_from_two_rounding_training_path():
     """One rounding is not the training path's two roundings: they agree on most bf16 elements,
     not all (docs/inference.md)."""
-    from core.fusions import fused_gated_norm
+    from core.fusions.fused_gated_norm import fused_gated_norm
 
     x, z, weight, out = make(32, HEADS, DIM, torch.bfloat16, "contiguous")
     fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
@@ -122,7 +116,7 @@ def test_empty_input_does_not_launch(monkeypatch):
     def no_launch(*args):
         raise AssertionError("launched on empty input")
 
-    monkeypatch.setattr(mod, "launch_forward", no_launch)
+    monkeypatch.setattr(kernel_module, "launch_forward", no_launch)
     x, z, weight, out = make(0, HEADS, DIM, torch.bfloat16, "packed")
     assert fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM) is None
 
@@ -184,6 +178,9 @@ BAD = {
     "out dtype": (lambda a: a | {"out": a["out"].float()}, TypeError, "out dtype must equal"),
     "weight dtype": (lambda a: a | {"weight": a["weight"].half()}, TypeError, "weight dtype"),
     "device": (lambda a: a | {"weight": a["weight"].to("meta")}, ValueError, "one device"),
+    # The device rule comes before the overlap rules (meta tensors all have address 0).
+    "all meta": (lambda a: a | {k: a[k].to("meta") for k in ("x", "z", "weight", "out")},
+                 ValueError, "x must be a (CPU|CUDA) tensor .*TRITON_INTERPRET=1.*got device meta"),
     "x stride": (lambda a: a | {"x": a["x"].t().contiguous().t()}, ValueError, "x must have last-dim stride 1"),
     "z stride": (lambda a: a | {"z": torch.zeros_like(a["z"]).repeat(1, 2)[:, ::2]}, ValueError,
                  "z must have last-dim stride 1"),
@@ -201,19 +198,22 @@ BAD = {
     "heads type": (lambda a: a | {"num_v_heads": 2.0}, TypeError, "num_v_heads must be an int"),
     "heads bool": (lambda a: a | {"num_v_heads": True}, TypeError, "num_v_heads must be an int"),
     "dim zero": (lambda a: a | {"head_v_dim": 0}, ValueError, "head_v_dim must be > 0"),
-    "dim max": (lambda a: a | {"head_v_dim": mod.MAX_HEAD_DIM + 1}, ValueError, "head_v_dim must be <="),
-    "eps zero": (lambda a: a | {"eps": 0.0}, ValueError, "eps must be finite"),
-    "eps nan": (lambda a: a | {"eps": float("nan")}, ValueError, "eps must be finite"),
-    "eps inf": (lambda a: a | {"eps": float("inf")}, ValueError, "eps must be finite"),
-    "eps tensor": (lambda a: a | {"eps": torch.tensor(1e-6)}, TypeError, "eps must be a Python float"),
+    "dim max": (lambda a: a | {"head_v_dim": MAX_HEAD_DIM + 1}, ValueError, "head_v_dim must be <="),
+    "eps zero": (lambda a: a | {"eps": 0.0}, ValueError, "eps must be finite and > 0"),
+    "eps nan": (lambda a: a | {"eps": float("nan")}, ValueError, "eps must be finite and > 0"),
+    "eps inf": (lambda a: a | {"eps": float("inf")}, ValueError, "eps must be finite and > 0"),
+    "eps tensor": (lambda a: a | {"eps": torch.tensor(1e-6)}, TypeError, "eps must be a Python float or int"),
+    "eps str": (lambda a: a | {"eps": "1e-6"}, TypeError, "eps must be a Python float or int"),
     "activation": (lambda a: a | {"activation": "gelu"}, ValueError, "activation must be one of"),
-    "norm_before_gate": (lambda a: a | {"norm_before_gate": "yes"}, TypeError, "norm_before_gate must be a bool"),
+    **{f"norm_before_gate {value!r}": (lambda a, value=value: a | {"norm_before_gate": value},
+                                       TypeError, "norm_before_gate must be a bool")
+       for value in ("yes", "False", None, 0, 1, 0.5)},
 }
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(mod, "INTERPRETED", False)
-    monkeypatch.setattr(mod, "launch_forward", None)  # not reached
+    monkeypatch.setattr(kernel_module, "INTERPRETED", False)
+    monkeypatch.setattr(kernel_module, "launch_forward", None)  # not reached
     args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
     with torch.no_grad(), pytest.raises(ValueError, match="x must be a CUDA tensor .*got device cpu"):
         mod.fused_gdn_gated_rms_norm(**args)
@@ -237,7 +237,7 @@ def test_bad_input(case, monkeypatch):
     def no_launch(*args):
         raise AssertionError("launched on bad input")
 
-    monkeypatch.setattr(mod, "launch_forward", no_launch)
+    monkeypatch.setattr(kernel_module, "launch_forward", no_launch)
     with pytest.raises(exc, match=message):
         fused_gdn_gated_rms_norm(**make_args(_good()))
 

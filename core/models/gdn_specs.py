@@ -1,5 +1,9 @@
 """Module and layer specs that build Gated DeltaNet models with the fused output norm available.
 
+    use_fused_gdn(spec)                   any megatron spec tree with megatron's GatedDeltaNet
+                                          replaced by core.ssm.GatedDeltaNet (nothing built)
+    assert_fused_gdn(model)               raises when a built model asks for the fusion but
+                                          holds megatron's GatedDeltaNet
     get_gdn_module_spec(use_te)           the GDN mixer (core.ssm.GatedDeltaNet)
     get_gdn_layer_spec(use_te)            a TransformerLayer: GDN mixer + dense MLP
     get_attention_layer_spec(use_te)      a standard softmax-attention TransformerLayer
@@ -18,12 +22,20 @@ Example::
                                activation_func=F.silu, fused_gated_norm=True)
     model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
                      vocab_size=..., max_sequence_length=...)
+
+    # a spec from megatron (or from a framework on top of it): swap the GDN class only
+    spec = use_fused_gdn(hybrid_stack_spec)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Optional
+import functools
+import importlib
+from typing import Any, Mapping, Optional
+
+import torch
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
@@ -35,6 +47,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_mlp_module_spec_for_backend,
 )
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDeltaNet
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
@@ -51,6 +64,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from core.ssm.gated_delta_net import GatedDeltaNet
 from core.transformer.rms_norm import LocalNorm
+from core.transformer.transformer_config import gdn_out_norm_zero_centered
 
 try:
     import transformer_engine  # noqa: F401  # pylint: disable=unused-import
@@ -58,6 +72,206 @@ try:
     HAVE_TE = True
 except ImportError:
     HAVE_TE = False
+
+
+def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
+    """A copy of a spec tree with every occurrence of a key of ``replacements`` (a class,
+    function or any other object, matched by identity) replaced by its value. Nothing is built.
+
+    ``spec`` is anything megatron takes as a spec: a ``ModuleSpec``, a submodules dataclass
+    (``TransformerBlockSubmodules``, ``TransformerLayerSubmodules``, ``HybridStackSubmodules``,
+    ...), a list / tuple of them, or a bare class. The walk descends into dataclass fields,
+    lists, tuples, dicts (``params``, ``metainfo``) and ``functools.partial`` builders (megatron's
+    MLP / MoE submodules), and resolves a ``ModuleSpec.module`` given as an import path
+    ``(module, name)`` when ``name`` is the name of a replaced object.
+
+    The input is not modified. A node none of whose descendants changes is returned as is (the
+    same object); a changed node is a shallow copy with the changed fields set (no
+    ``__init__`` / ``__post_init__`` re-run). A node shared by several parents (megatron's block
+    builders reuse one mixer spec for every GDN layer) maps to one shared copy."""
+    pairs = tuple(replacements.items())
+    if not pairs:
+        return spec
+    return _replace(spec, pairs, {})
+
+
+def _replacement(node: Any, pairs) -> Any:
+    for old, new in pairs:
+        if node is old:
+            return new
+    return _NO_REPLACEMENT
+
+
+_NO_REPLACEMENT = object()
+
+
+def _resolve_module_path(module: Any, pairs) -> Any:
+    """``ModuleSpec.module`` given as ``(import path, name)``: the object it names, when the name
+    is one of the replaced objects' names; else the tuple itself (not imported)."""
+    if not (isinstance(module, tuple) and len(module) == 2 and all(isinstance(p, str) for p in module)):
+        return module
+    path, name = module
+    if name not in {getattr(old, "__name__", None) for old, _ in pairs}:
+        return module
+    try:
+        return getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError):
+        return module
+
+
+def _replace(node: Any, pairs, memo: dict) -> Any:
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = node  # a cycle, if any, keeps the original reference
+    new = _replace_uncached(node, pairs, memo)
+    memo[key] = new
+    return new
+
+
+def _replace_uncached(node: Any, pairs, memo: dict) -> Any:
+    replacement = _replacement(node, pairs)
+    if replacement is not _NO_REPLACEMENT:
+        return replacement
+    if isinstance(node, type) or node is None or isinstance(node, (str, bytes, int, float)):
+        return node
+    if isinstance(node, ModuleSpec):
+        module = _resolve_module_path(node.module, pairs)
+        new_module = _replace(module, pairs, memo)
+        # a path that resolves to an object not replaced stays written as a path
+        changes = {"module": new_module} if new_module is not module else {}
+        for name in ("params", "submodules", "metainfo"):
+            value = getattr(node, name)
+            new_value = _replace(value, pairs, memo)
+            if new_value is not value:
+                changes[name] = new_value
+        return _with_fields(node, changes)
+    if dataclasses.is_dataclass(node):
+        changes = {}
+        for field in dataclasses.fields(node):
+            if not hasattr(node, field.name):
+                continue
+            value = getattr(node, field.name)
+            new_value = _replace(value, pairs, memo)
+            if new_value is not value:
+                changes[field.name] = new_value
+        return _with_fields(node, changes)
+    if isinstance(node, functools.partial):
+        func = _replace(node.func, pairs, memo)
+        args = [_replace(a, pairs, memo) for a in node.args]
+        keywords = {k: _replace(v, pairs, memo) for k, v in node.keywords.items()}
+        if func is node.func and all(a is b for a, b in zip(args, node.args)) and all(
+            keywords[k] is v for k, v in node.keywords.items()
+        ):
+            return node
+        return type(node)(func, *args, **keywords)
+    if isinstance(node, (list, tuple)):
+        items = [_replace(item, pairs, memo) for item in node]
+        if all(a is b for a, b in zip(items, node)):
+            return node
+        if isinstance(node, list):
+            return type(node)(items)
+        return type(node)._make(items) if hasattr(type(node), "_make") else type(node)(items)
+    if isinstance(node, dict):
+        items = {k: _replace(v, pairs, memo) for k, v in node.items()}
+        if all(items[k] is v for k, v in node.items()):
+            return node
+        new = copy.copy(node)
+        new.update(items)
+        return new
+    return node
+
+
+def _with_fields(node: Any, changes: dict) -> Any:
+    if not changes:
+        return node
+    new = copy.copy(node)
+    for name, value in changes.items():
+        object.__setattr__(new, name, value)  # frozen dataclasses too
+    return new
+
+
+def use_fused_gdn(spec: Any) -> Any:
+    """``spec`` with megatron's ``GatedDeltaNet`` replaced by :class:`core.ssm.GatedDeltaNet`, so
+    that ``config.fused_gated_norm`` (and ``gdn_out_norm_zero_centered_gamma``, and the TP
+    gradient fix of the output norm) take effect in the model built from it.
+
+    Works on any spec megatron (or a framework on top of it) builds: the GPT block spec of the
+    ``gated_delta_net`` attention variant (``get_transformer_block_with_experimental_attention_variant_spec``
+    and its per-layer list), the hybrid stack spec (``megatron.core.models.hybrid.hybrid_stack_spec``,
+    whose 'G' layers hold the GDN), TE, local or Kitchen backends, dense or MoE MLPs, MTP
+    blocks, lists / tuples of any of these. Everything except the GDN class is left as it is
+    (same submodules, params, metainfo); nothing is built and the input is not modified (see
+    :func:`replace_modules`). Our class takes megatron's constructor arguments and builds the
+    same parameters, so state-dict and sharded-state-dict keys (and so checkpoints) do not change.
+
+    A subclass of megatron's GatedDeltaNet other than ours is someone else's layer and is left
+    alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion."""
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
+
+
+def _only_ours_honours(config) -> list:
+    """The settings of ``config`` that megatron's GatedDeltaNet silently ignores."""
+    asked = []
+    if getattr(config, "fused_gated_norm", False):
+        asked.append("fused_gated_norm=True")
+    if gdn_out_norm_zero_centered(config) != bool(config.layernorm_zero_centered_gamma):
+        asked.append(
+            f"gdn_out_norm_zero_centered_gamma={config.gdn_out_norm_zero_centered_gamma} "
+            f"(layernorm_zero_centered_gamma={config.layernorm_zero_centered_gamma})"
+        )
+    return asked
+
+
+def assert_fused_gdn(model) -> None:
+    """Raise ``TypeError`` when a GDN layer of ``model`` is megatron's ``GatedDeltaNet`` (or
+    another subclass of it that is not :class:`core.ssm.GatedDeltaNet`) while its config asks
+    for something only ours does: ``fused_gated_norm=True``, or a
+    ``gdn_out_norm_zero_centered_gamma`` that differs from ``layernorm_zero_centered_gamma``.
+    The message names every such module path. A no-op when nothing is asked for, or every GDN
+    layer is ours.
+
+    ``model``: a ``torch.nn.Module`` (any wrapper: DDP, Float16Module) or a list / tuple of
+    them (megatron's model chunks); paths of a list are prefixed with the chunk index.
+
+    Why an explicit check after the model is built, rather than an automatic one: the flag
+    lives in the config and the class in the spec, and nothing megatron runs sees both before
+    the layer exists. The config's ``__post_init__`` never sees a spec; our GatedDeltaNet's
+    constructor never runs when the spec names megatron's class; a hook inside megatron's
+    class (patching its ``__init__`` or ``build_module``) would change megatron process-wide for
+    every model, including ones that never import this package. The built model is the one
+    place where both are known, and walking its modules costs microseconds per layer, once.
+    Launchers call it right after building the model (``core.training``), and
+    :func:`get_gdn_hybrid_block_spec` / :func:`use_fused_gdn` make the specs it would reject
+    unnecessary."""
+    if isinstance(model, torch.nn.Module):
+        chunks = [("", model)]
+    elif isinstance(model, (list, tuple)) and all(isinstance(m, torch.nn.Module) for m in model):
+        chunks = [(f"[{i}].", m) for i, m in enumerate(model)]
+    else:
+        raise TypeError(
+            "assert_fused_gdn: model must be a torch.nn.Module or a list/tuple of them, got "
+            f"{type(model).__name__}"
+        )
+    offenders = []
+    asked_for = []
+    for prefix, chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, MegatronGatedDeltaNet) or isinstance(module, GatedDeltaNet):
+                continue
+            asked = _only_ours_honours(module.config)
+            if asked:
+                offenders.append(f"{prefix}{name or '<root>'} ({type(module).__module__}."
+                                 f"{type(module).__qualname__})")
+                asked_for.extend(a for a in asked if a not in asked_for)
+    if offenders:
+        raise TypeError(
+            f"assert_fused_gdn: the config asks for {', '.join(asked_for)}, which only "
+            "core.ssm.gated_delta_net.GatedDeltaNet implements, but these layers are another "
+            f"GatedDeltaNet class and would silently ignore it: {'; '.join(offenders)}. Build "
+            "the model from core.models.gdn_specs.use_fused_gdn(spec) (or "
+            "get_gdn_hybrid_block_spec(config))."
+        )
 
 
 def _use_te(use_te: Optional[bool]) -> bool:

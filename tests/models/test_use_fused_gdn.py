@@ -8,9 +8,6 @@ from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 
 install_cpu_shims()
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -24,7 +21,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from core.models.gdn_specs import assert_fused_gdn, use_fused_gdn  # noqa: E402
 from core.ssm import GatedDeltaNet  # noqa: E402
 from core.testing.gdn import gdn_config  # noqa: E402
-from core.testing.specs import megatron_te_spec_builders, te_to_local  # noqa: E402
+from core.testing.specs import (  # noqa: E402
+    checkpoint_keys,
+    compare_gdn_swap,
+    megatron_te_spec_builders,
+    spec_fingerprint,
+    te_to_local,
+)
 
 VOCAB, SEQ = 64, 16
 
@@ -48,76 +51,11 @@ def _megatron_block_spec(config):
         return mexp.get_transformer_block_with_experimental_attention_variant_spec(config)
 
 
-# --- an independent structural comparison (not use_fused_gdn's own walk) ---------------------
-
-
-def _compare(a, b, path="spec"):
-    """Assert b is a with megatron's GDN class swapped for ours; return how many were swapped."""
-    if isinstance(a, ModuleSpec):
-        assert isinstance(b, ModuleSpec), path
-        swapped = 0
-        if a.module is MegatronGDN:
-            assert b.module is GatedDeltaNet, f"{path}.module"
-            swapped = 1
-        else:
-            assert b.module is a.module, f"{path}.module"
-        for name in ("params", "submodules", "metainfo"):
-            swapped += _compare(getattr(a, name), getattr(b, name), f"{path}.{name}")
-        return swapped
-    if isinstance(a, type) or a is None:
-        if a is MegatronGDN:
-            assert b is GatedDeltaNet, path
-            return 1
-        assert b is a, path
-        return 0
-    if dataclasses.is_dataclass(a):
-        assert type(b) is type(a), path
-        return sum(_compare(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-                   for f in dataclasses.fields(a))
-    if isinstance(a, functools.partial):
-        assert type(b) is type(a) and len(a.args) == len(b.args), path
-        assert a.keywords.keys() == b.keywords.keys(), path
-        return (_compare(a.func, b.func, f"{path}.func")
-                + sum(_compare(x, y, f"{path}.args") for x, y in zip(a.args, b.args))
-                + sum(_compare(a.keywords[k], b.keywords[k], f"{path}.{k}") for k in a.keywords))
-    if isinstance(a, (list, tuple)):
-        assert type(b) is type(a) and len(b) == len(a), path
-        return sum(_compare(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
-    if isinstance(a, dict):
-        assert type(b) is type(a) and b.keys() == a.keys(), path
-        return sum(_compare(a[k], b[k], f"{path}[{k!r}]") for k in a)
-    assert b is a or b == a, path
-    return 0
-
-
-def _fingerprint(node, path="spec", out=None, seen=None):
-    """(path, id, type) of every node reachable from ``node``: changes if anything is mutated."""
-    out = [] if out is None else out
-    seen = set() if seen is None else seen
-    out.append((path, id(node), type(node)))
-    if id(node) in seen or isinstance(node, type):
-        return out
-    seen.add(id(node))
-    if dataclasses.is_dataclass(node):
-        for f in dataclasses.fields(node):
-            _fingerprint(getattr(node, f.name), f"{path}.{f.name}", out, seen)
-    elif isinstance(node, functools.partial):
-        for i, x in enumerate((node.func, *node.args, *node.keywords.values())):
-            _fingerprint(x, f"{path}<{i}>", out, seen)
-    elif isinstance(node, (list, tuple)):
-        for i, x in enumerate(node):
-            _fingerprint(x, f"{path}[{i}]", out, seen)
-    elif isinstance(node, dict):
-        for k, x in node.items():
-            _fingerprint(x, f"{path}[{k!r}]", out, seen)
-    return out
-
-
 def _check_swap(spec, expected_swaps):
-    before = _fingerprint(spec)
+    before = spec_fingerprint(spec)
     fused = use_fused_gdn(spec)
-    assert _compare(spec, fused) == expected_swaps
-    assert _fingerprint(spec) == before, "use_fused_gdn modified its input"
+    assert compare_gdn_swap(spec, fused) == expected_swaps
+    assert spec_fingerprint(spec) == before, "use_fused_gdn modified its input"
     assert use_fused_gdn(fused) is fused  # nothing left to replace: the same object back
     return fused
 
@@ -176,8 +114,7 @@ def test_bare_class_import_path_and_foreign_subclass():
 
 def _keys(model):
     state = {k: tuple(v.shape) for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    sharded = sorted(model.sharded_state_dict().keys())
-    return state, sharded
+    return state, checkpoint_keys(model)
 
 
 def _gdn_types(model):
@@ -200,7 +137,8 @@ def test_gpt_model_keys_unchanged(moe):
     state_b, sharded_b = _keys(ours)
     assert state_a == state_b
     assert sharded_a == sharded_b
-    assert any("self_attention.out_norm.weight" in k for k in sharded_a)
+    assert sharded_a["decoder.layers.0.self_attention.out_norm.weight"] == \
+        "decoder.layers.0.self_attention.out_norm.weight"
 
 
 def test_hybrid_model_keys_unchanged():

@@ -39,7 +39,7 @@ from core.fusions.fused_gated_norm import (
     gate_activation_name,
     validate_gated_norm,
 )
-from core.transformer.transformer_config import gdn_out_norm_zero_centered
+from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
 
 # Attribute holding the gradient hook of mark_tp_partial_grad on the parameter it scales.
 TP_PARTIAL_GRAD_HOOK_ATTR = "_gdn_tp_partial_grad_hook"
@@ -109,8 +109,9 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
     gate to the fused kernel. Constructor arguments are megatron's."""
 
     def __init__(self, config, submodules, *args, **kwargs):
+        validate_gdn_config(config)  # configs of other classes may carry the fields as attributes
         super().__init__(config, submodules, *args, **kwargs)
-        self.fused_gated_norm = bool(getattr(config, "fused_gated_norm", False))
+        self.fused_gated_norm = getattr(config, "fused_gated_norm", False)
         self.out_norm_zero_centered = gdn_out_norm_zero_centered(config)
         if self.out_norm_zero_centered != bool(config.layernorm_zero_centered_gamma):
             # The norm builders (TENorm, RMSNorm) read the global flag: give them a config copy.

@@ -444,9 +444,6 @@ def main(argv=None) -> None:
     if args.tp > 1:
         from tools.bench_common import environment, write_json
 
-        from core.testing.cpu import patch_checkpoint_without_output_fp8
-
-        patch_checkpoint_without_output_fp8()
         results = {"env": environment(), "tp": tensor_parallel_grads(args.tp)}
         if torch.distributed.get_rank() == 0:
             print(f"wrote {write_json(results, args.out, f'gdn_layer_tp{args.tp}.json')}")
@@ -464,9 +461,6 @@ def main(argv=None) -> None:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gdn_layer.py needs a CUDA GPU (--cpu for a dry run)")
-        from core.testing.cpu import patch_checkpoint_without_output_fp8
-
-        patch_checkpoint_without_output_fp8()  # gdn_norm_out recompute without Transformer Engine
         if args.no_jit:
             import megatron.core.jit as mjit
 

@@ -50,9 +50,6 @@ requires_fla = pytest.mark.skipif(bool(_fla_gdn_backward_missing()), reason=_fla
 
 @pytest.fixture(scope="module")
 def setup():
-    from core.testing.cpu import patch_checkpoint_without_output_fp8
-
-    patch_checkpoint_without_output_fp8()  # gdn_norm_out recompute without Transformer Engine
     layer = LayerSetup()
     init_single_process(layer)
     return layer

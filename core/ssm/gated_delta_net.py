@@ -205,9 +205,10 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         return float(self.tp_size)
 
     def _check_out_norm_tp_tag(self) -> None:
-        if self.out_norm_weight_grad_scale != 1.0 and not getattr(
-            self.out_norm.weight, TP_AVG_TAG, False
-        ):
+        if self.out_norm_weight_grad_scale == 1.0:
+            return
+        weight = getattr(self.out_norm, "weight", None)  # none: the norm's own checks refuse it
+        if isinstance(weight, torch.nn.Parameter) and not getattr(weight, TP_AVG_TAG, False):
             raise RuntimeError(
                 f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "
                 "replaced after construction), so finalize_model_grads would leave its "

@@ -209,3 +209,7 @@ def test_replaced_weight_without_tp_tag_raises():
     module.out_norm_weight_grad_scale = 1.0  # TP 1 / megatron reduces: any weight is fine
     module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)
     module._apply_gated_norm(x, gate)
+    module.out_norm_weight_grad_scale = 2.0
+    module.out_norm = torch.nn.Identity()  # no weight at all: validation's own error
+    with pytest.raises(ValueError, match="out_norm to have a weight"):
+        module._apply_gated_norm(x, gate)

@@ -36,7 +36,8 @@ Training level (``install_cpu_shims(training=True)``, or :func:`install_cpu_trai
 after the layer-level shims). A full training step goes through megatron code that hard-codes
 ``device='cuda'`` (``found_inf`` / loss-scale tensors of the mixed-precision optimizer,
 ``clip_grads``' norm buffers, the grad buffer's NCCL warm-up, the default causal mask of
-megatron's local attention), waits on CUDA streams, and checks
+megatron's local attention), waits on CUDA streams (as does the ``torch_dist`` checkpoint
+writer of ``megatron.core.dist_checkpointing``), and checks
 ``param.type() == 'torch.cuda.FloatTensor'`` (``Float16OptimizerWithFloat16Params``,
 ``clip_grads``):
 
@@ -180,6 +181,8 @@ TRAINING_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
+    # dist_checkpointing's torch_dist writer synchronises CUDA after staging tensors on the host
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
               "empty_like", "full_like", "arange")

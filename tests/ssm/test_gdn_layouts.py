@@ -49,7 +49,12 @@ WORLDS = {
                model="gpt"),
     ),
 }
-CASES = [(layout, fused) for world in WORLDS.values() for layout in world for fused in (True, False)]
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the gloo matrix is for CPU-only machines (CI); with CUDA the same harness runs over "
+           "NCCL, one GPU per rank: tests/ssm/test_gdn_layouts_gpu.py")
+CASES = [(layout, fused) for world in WORLDS.values() for layout in world
+         for fused in (True, False)]
 CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
 
 
@@ -147,11 +152,13 @@ def test_distributed_optimizer_coverage_check(worlds):
     layout = WORLDS[2][3]
     assert layout.distributed_optimizer
     records = copy.deepcopy(_records(worlds, layout, True))
-    owners = [r for r in records if r["owned"]["out_norm.weight"][1] > r["owned"]["out_norm.weight"][0]]
+    owners = [r for r in records
+              if r["owned"]["out_norm.weight"][1] > r["owned"]["out_norm.weight"][0]]
     assert owners
     owners[0]["owned"]["out_norm.weight"] = (0, 0)
     failures = grad_mismatches(records)
-    assert len(failures) == 1 and "out_norm.weight" in failures[0] and "cover" in failures[0]
+    assert len(failures) == 1 and "out_norm.weight" in failures[0] \
+        and "owned by exactly one rank" in failures[0], failures
 
 
 # ----------------------------------------------------------------------------------------------

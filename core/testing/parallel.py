@@ -453,13 +453,33 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                              layout.tp, offset)
     model.load_state_dict(initial)
     model.to(device)
+    # Names, TP attributes and expected shards from the module as built (Megatron-FSDP replaces
+    # the parameters when it wraps the module).
+    names = {n: global_name(n, offset) for n, _ in model.named_parameters()}
+    record = dict(
+        coords=coords, fused=fused,
+        tensor_parallel={
+            names[n]: layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
+            for n, p in model.named_parameters()},
+        fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for m in model.modules()
+                       if hasattr(m, "out_norm")],
+        recompute_modules=[bool(m.recompute_norm_out) for m in model.modules()
+                           if hasattr(m, "recompute_norm_out")],
+    )
+    if reference_grads is not None:
+        # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
+        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offset)
+        record["expected"] = {names[n]: sharded[n].float() / layout.dp for n in names}
+        record["expected_scale"] = {
+            names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in names}
+        record["initial"] = {names[n]: initial[n].float() for n in names}
+
     wrapped, inner = _wrap(layout, config, model)
     with cpu_tensor_types():
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=LR, params_dtype=torch.float32,
                             use_distributed_optimizer=layout.distributed_optimizer or layout.fsdp),
             [wrapped])
-
     config.finalize_model_grads_func = finalize_model_grads  # as megatron's training loop
     batches = local_batches(layout, reference["data"], coords, device)
     wrapped.zero_grad_buffer()
@@ -470,28 +490,9 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         forward_only=False)
 
     params = dict(inner.named_parameters())
-    names = {name: global_name(name, offset) for name in params}
-    record = dict(
-        coords=coords, fused=fused,
-        grads={names[n]: _full(_main_grad(p)) for n, p in params.items()},
-        tensor_parallel={
-            names[n]: layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
-            for n, p in params.items()},
-        fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for m in inner.modules()
-                       if hasattr(m, "out_norm")],
-        recompute_modules=[bool(m.recompute_norm_out) for m in inner.modules()
-                           if hasattr(m, "recompute_norm_out")],
-    )
+    record["grads"] = {names[n]: _full(_main_grad(p)) for n, p in params.items()}
     if layout.distributed_optimizer:
-        owned = _owned_ranges(optimizer, params)
-        record["owned"] = {names[n]: r for n, r in owned.items()}
-    if reference_grads is not None:
-        # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
-        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offset)
-        record["expected"] = {names[n]: sharded[n].float() / layout.dp for n in params}
-        record["expected_scale"] = {
-            names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in params}
-        record["initial"] = {names[n]: initial[n].float() for n in params}
+        record["owned"] = {names[n]: r for n, r in _owned_ranges(optimizer, params).items()}
     with cpu_tensor_types():
         update_successful, _, _ = optimizer.step()
     record["update_successful"] = bool(update_successful)

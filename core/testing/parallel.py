@@ -201,9 +201,9 @@ def _no_input_tensor(input_tensor) -> None:
 
 def build_model(layout: Layout, config, seed: Optional[int] = None) -> torch.nn.Module:
     """This rank's model: the GatedDeltaNet module, or this pipeline stage of the GPT model."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.enums import ModelType
-    from megatron.core import parallel_state
 
     from core.models.gdn_specs import get_gdn_hybrid_block_spec
     from core.testing.gdn import _reseed, build_gdn_module
@@ -384,6 +384,11 @@ def _wrap(layout: Layout, config, model):
 
     if layout.fsdp:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"Layout {layout.name}: Megatron-FSDP needs CUDA (MegatronFSDP.__init__ takes "
+                "torch.cuda.current_device() and creates torch.cuda.Stream side streams)")
 
         ddp_config = DistributedDataParallelConfig(
             use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",

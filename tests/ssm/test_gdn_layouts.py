@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,  # noqa: E402
                                    layout_config, make_reference, partial_out_norm_grad,
-                                   replica_mismatches, spawn_layouts, thd_cp_indices)
+                                   replica_mismatches, run_case, spawn_layouts, thd_cp_indices)
 
 WORLDS = {
     2: (
@@ -234,3 +234,11 @@ def test_thd_cp_indices():
     assert thd_cp_indices(cu, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
     with pytest.raises(ValueError, match="not divisible by 2 x cp_size = 4"):
         thd_cp_indices(torch.tensor([0, 6]), 2, 0)
+
+
+def test_fsdp_layout_refused_without_cuda(reference):
+    """Megatron-FSDP runs on GPUs only (tests/ssm/test_gdn_layouts_gpu.py::fsdp-tp2): the harness
+    says so before megatron fails on torch.cuda.current_device()."""
+    init_cpu_model_parallel(tp_size=1)
+    with pytest.raises(RuntimeError, match="Megatron-FSDP needs CUDA"):
+        run_case(Layout("fsdp", fsdp=True), True, reference[1], torch.device("cpu"))

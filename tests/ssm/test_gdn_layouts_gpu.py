@@ -35,7 +35,7 @@ LAYOUTS = (
     Layout("thd-cp2", cp=2, packed=True),
     Layout("fsdp-tp2", tp=2, fsdp=True),
 )
-REFERENCE_CASES = (("gdn", "sbhd", True), ("gdn", "thd", True))
+GPU_REFERENCE_CASES = (("gdn", "sbhd", True), ("gdn", "thd", True))
 # GPU: cuBLAS / FLA pick kernels by shape, and the shapes differ between the TP 1 run and a rank
 # (fewer heads, other token counts): 10x the CPU tolerances. A missing or doubled reduction is
 # off by O(1).
@@ -50,7 +50,7 @@ def ranks(tmp_path_factory):
     reference = str(tmp / "reference.pt")
     # the reference in its own process: this one holds no process group and no CUDA context
     mp.spawn(reference_worker, nprocs=1, join=True,
-             args=(os.path.join(tmp, "rendezvous_reference"), reference, REFERENCE_CASES))
+             args=(os.path.join(tmp, "rendezvous_reference"), reference, GPU_REFERENCE_CASES))
     return spawn_layouts(LAYOUTS, reference, str(tmp), fused_values=(True,))
 
 

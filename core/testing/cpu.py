@@ -55,6 +55,14 @@ at the example's default CPU size (one Python-emulated program per 8 rows).
 in torch (fp32 math, then the input dtype). It is not bitwise FLA's kernel, but it is the same
 function in the flag-on and flag-off runs, and the kernel under test (the fused gated norm)
 still runs in the interpreter. Never installed when CUDA is available (FLA's kernel runs).
+
+FLA's chunk gated-delta-rule and causal-conv kernels, which megatron's GatedDeltaNet calls
+without ``deterministic_mode`` (the only mode that takes packed THD sequences), do not run in
+the Triton interpreter. :func:`install_cpu_fla_stand_ins` (explicit, not part of
+``install_cpu_shims``) points megatron at torch equivalents that honour ``cu_seqlens``:
+megatron's own torch chunk rule (its ``deterministic_mode`` path) and a depthwise
+``F.conv1d``, each applied to one packed sequence at a time. The same functions serve the
+reference and the parallel runs they are compared with.
 """
 
 from __future__ import annotations
@@ -179,6 +187,7 @@ TRAINING_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",  # torch.cuda.synchronize after p2p
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
     # dist_checkpointing's torch_dist writer synchronises CUDA after staging tensors on the host
@@ -345,3 +354,77 @@ def destroy_cpu_model_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# FLA kernels of megatron's non-deterministic GDN path (packed sequences)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sequence_bounds(cu_seqlens: Optional[torch.Tensor], total: int) -> list:
+    if cu_seqlens is None:
+        return [(0, total)]
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def torch_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                                 output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                 cu_seqlens=None, **kwargs):
+    """CPU stand-in for FLA's ``chunk_gated_delta_rule`` ([B, T, H, D] inputs): megatron's torch
+    chunk rule (``torch_chunk_gated_delta_rule``, its ``deterministic_mode`` path) applied to
+    each sequence of ``cu_seqlens`` on its own (B = 1 then, as FLA requires). No recurrent state
+    in or out (megatron's training forward passes none)."""
+    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule as rule
+
+    if initial_state is not None or output_final_state:
+        raise NotImplementedError("torch_chunk_gated_delta_rule: no initial or final state")
+    if scale is not None and scale != q.shape[-1] ** -0.5:
+        raise NotImplementedError("torch_chunk_gated_delta_rule: only the default scale")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError("torch_chunk_gated_delta_rule: cu_seqlens requires batch size 1")
+    outputs = [
+        rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+        for s, e in _sequence_bounds(cu_seqlens, q.shape[1])
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+def torch_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
+                        output_final_state=False, activation=None, cu_seqlens=None, **kwargs):
+    """CPU stand-in for FLA's ``causal_conv1d``: x [B, T, D], weight [D, W]; a depthwise causal
+    ``F.conv1d`` (as megatron's ``deterministic_mode`` path) on each sequence of ``cu_seqlens``,
+    then silu when ``activation`` is 'silu' / 'swish'."""
+    if residual is not None or initial_state is not None or output_final_state:
+        raise NotImplementedError("torch_causal_conv1d: no residual, initial or final state")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"torch_causal_conv1d: activation must be None, 'silu' or 'swish', "
+                         f"got {activation!r}")
+    width = weight.shape[-1]
+
+    def conv(segment):  # the operations of megatron's deterministic_mode path, in its order
+        y = torch.nn.functional.conv1d(segment.transpose(1, 2).contiguous(), weight.unsqueeze(1),
+                                       bias, padding=width - 1, groups=weight.shape[0])
+        y = y[..., :segment.shape[1]]
+        if activation is not None:
+            y = torch.nn.functional.silu(y)
+        return y.transpose(1, 2)
+
+    bounds = _sequence_bounds(cu_seqlens, x.shape[1])
+    if len(bounds) == 1:
+        return conv(x), None
+    return torch.cat([conv(x[:, s:e]) for s, e in bounds], dim=1), None
+
+
+def install_cpu_fla_stand_ins() -> None:
+    """Point megatron's GatedDeltaNet (``megatron.core.ssm.gated_delta_net.gdn``) at
+    :func:`torch_chunk_gated_delta_rule` and :func:`torch_causal_conv1d` (module docstring).
+    Call before building the modules (the rule is bound at construction). A no-op when CUDA is
+    available: FLA's kernels run there."""
+    if torch.cuda.is_available():
+        return
+    install_cpu_shims()
+    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    gdn.chunk_gated_delta_rule = torch_chunk_gated_delta_rule
+    gdn.causal_conv1d = torch_causal_conv1d

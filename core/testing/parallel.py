@@ -1,0 +1,722 @@
+"""The layout matrix: GDN models trained one step under a parallel layout and compared with the
+same model at TP 1 / CP 1 / one pipeline stage (test-side only; never imported by the library).
+
+Models (fp32, tiny; :data:`GDN_SIZES`):
+  * ``"gdn"``: one ``core.ssm.GatedDeltaNet`` from ``core.models.get_gdn_module_spec(False)``;
+  * ``"gpt"``: a ``GPTModel`` over ``get_gdn_hybrid_block_spec`` (4 layers: GDN, GDN, GDN,
+    softmax attention), for pipeline parallelism.
+
+Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
+  builds the model for its coordinates and loads its shard of the reference weights; wraps it in
+  megatron's ``DistributedDataParallel`` (or Megatron-FSDP's ``FullyShardedDataParallel``);
+  builds megatron's optimizer (``get_megatron_optimizer``, Adam; the distributed optimizer where
+  the layout says so); runs megatron's schedule (``get_forward_backward_func``) on its shard of
+  the reference batch with the stock ``finalize_model_grads`` as
+  ``config.finalize_model_grads_func``; records every parameter's ``main_grad`` next to the
+  reference gradient sharded the same way (the distributed optimizer: the range the rank owns);
+  steps the optimizer and records every parameter.
+
+The reference is :func:`run_case` of the same code at world size 1 (:func:`make_reference`).
+The test process checks the records with :func:`grad_mismatches` (every parameter's gradient
+against the sharded reference) and :func:`replica_mismatches` (after the step: bit-identical
+parameters on every rank holding the same shard; every rank holding a replicated parameter such
+as the GDN out_norm weight holds the same bits).
+
+Loss: megatron's legacy ``(loss, report)`` form, ``sum(output * weight)`` for the GDN module
+(a fixed random ``weight``), the summed per-token cross entropy for the GPT model. The schedule
+multiplies it by the CP size and divides by the micro-batch count, DDP averages over DP x CP:
+a rank's expected gradient is the reference gradient / DP (:func:`run_case`).
+
+Data layouts: sbhd [S, B, H] for the GDN module (DP splits B; CP takes megatron's load-balanced
+chunks, ``get_batch_on_this_cp_rank``; sequence parallelism splits S over TP), packed THD
+(B = 1, several sequences, ``PackedSeqParams(qkv_format='thd')``; CP takes each sequence's
+load-balanced chunks, :func:`thd_cp_indices`), token ids [B, S] for the GPT model.
+
+On the CPU (gloo) call ``core.testing.cpu.install_cpu_shims(training=True)`` and
+``install_cpu_fla_stand_ins()`` first (:func:`layout_worker` does); on CUDA the same code runs
+over NCCL with FLA's kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import traceback
+from functools import partial
+from typing import Optional
+
+import torch
+
+# hidden 32; 4 key heads and 8 value heads of 16 (split over TP 4, or TP 2 x CP 2); 4 attention
+# heads of 8 in the GPT model's attention layer.
+GDN_SIZES = dict(hidden_size=32, num_key_heads=4, num_value_heads=8, key_head_dim=16,
+                 value_head_dim=16, num_attention_heads=4)
+SEQ = 32          # divisible by 2 x CP x TP of every layout (load-balanced CP chunks, then SP)
+BATCH = 2         # sbhd batch (DP 2 gives one sample per rank); GPT: one micro-batch per sample
+PACKED_SEQLENS = (8, 12, 12)  # THD: three sequences, B = 1; each divisible by 2 x CP
+GPT_LAYERS = 4    # linear_attention_freq 4: layers 0-2 GDN, layer 3 attention
+VOCAB = 64
+LR = 1e-2
+# max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
+FP32_TOLERANCE = 1e-5
+# The GDN decay parameters' gradients are sums over tokens with heavy cancellation: at TP 1, a
+# 1e-7 relative change of the GPT model's weights moves them by up to 3.3e-5, and TP 2 (other
+# summation orders) by up to 3.5e-5. A wrong reduction (missing, doubled) is off by O(1).
+DECAY_PARAM_TOLERANCE = 2e-4
+DECAY_PARAMS = ("A_log", "dt_bias")
+
+
+def tolerance(name: str) -> float:
+    return DECAY_PARAM_TOLERANCE if name.rsplit(".", 1)[-1] in DECAY_PARAMS else FP32_TOLERANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One parallel layout. ``world_size = tp * cp * pp * dp``."""
+
+    name: str
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    packed: bool = False                 # THD, B = 1 (FLA path: deterministic_mode off)
+    distributed_optimizer: bool = False
+    fsdp: bool = False                   # Megatron-FSDP (CUDA only)
+    recompute: bool = False              # selective recompute of 'gdn_norm_out'
+    model: str = "gdn"                   # "gdn" (one GatedDeltaNet) or "gpt" (GPTModel)
+
+    def __post_init__(self):
+        if self.model not in ("gdn", "gpt"):
+            raise ValueError(f"Layout.model must be 'gdn' or 'gpt', got {self.model!r}")
+        if self.pp > 1 and self.model != "gpt":
+            raise ValueError(f"Layout {self.name}: pp > 1 needs model='gpt' (stages of a GPTModel)")
+        if self.model == "gpt" and (self.cp > 1 or self.dp > 1 or self.packed):
+            raise ValueError(f"Layout {self.name}: the GPT model runs with TP and PP only")
+        if self.packed and self.dp > 1:
+            raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(f"Layout {self.name}: sequence_parallel needs tp > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def data(self) -> str:
+        """Which reference batch the layout runs: 'sbhd', 'thd' or 'tokens'."""
+        return "tokens" if self.model == "gpt" else ("thd" if self.packed else "sbhd")
+
+
+REFERENCE = {"gdn": Layout("reference"), "gpt": Layout("reference-gpt", model="gpt")}
+
+
+def case_key(layout: Layout, fused: bool) -> str:
+    return f"{layout.name}-{'fused' if fused else 'unfused'}"
+
+
+def reference_key(model: str, data: str, fused: bool) -> str:
+    return f"{model}-{data}-{'fused' if fused else 'unfused'}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups
+# ----------------------------------------------------------------------------------------------
+
+
+def init_world(rank: int, world_size: int, init_file: str) -> torch.device:
+    """Default process group: NCCL on CUDA (rank r on GPU r), gloo on the CPU. Returns the
+    device."""
+    if torch.cuda.is_available():
+        # fp32 means fp32 in these comparisons (cuDNN's convolutions default to TF32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        kwargs = dict(backend="nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        kwargs = dict(backend="gloo")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=120), **kwargs)
+    return device
+
+
+def init_layout(layout: Layout, seed: int = 1234) -> None:
+    """(Re-)initialise megatron's parallel_state for ``layout`` in the current world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = torch.distributed.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(f"Layout {layout.name} needs {layout.world_size} ranks, world has {world}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def coordinates() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(rank=torch.distributed.get_rank(), tp=ps.get_tensor_model_parallel_rank(),
+                cp=ps.get_context_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_rank())
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def layout_config(layout: Layout, fused: bool):
+    """The TransformerConfig of ``layout`` (fp32, :data:`GDN_SIZES`)."""
+    from core.testing.gdn import gdn_config
+
+    extra = {}
+    if layout.recompute:
+        extra.update(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
+    if layout.model == "gpt":
+        extra.update(num_layers=GPT_LAYERS, linear_attention_freq=4)
+        if layout.pp > 1:
+            extra.update(pipeline_dtype=torch.float32)
+    return gdn_config(
+        params_dtype=torch.float32, fused_gated_norm=fused,
+        tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
+        pipeline_model_parallel_size=layout.pp, sequence_parallel=layout.sequence_parallel,
+        # megatron's GDN refuses packed sequences in deterministic_mode (its torch chunk path)
+        deterministic_mode=not layout.packed,
+        **GDN_SIZES, **extra)
+
+
+def _no_input_tensor(input_tensor) -> None:
+    """``set_input_tensor`` of a single-stage module (the schedule calls it with None)."""
+
+
+def build_model(layout: Layout, config, seed: Optional[int] = None) -> torch.nn.Module:
+    """This rank's model: the GatedDeltaNet module, or this pipeline stage of the GPT model."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.enums import ModelType
+
+    from core.models.gdn_specs import get_gdn_hybrid_block_spec
+    from core.testing.gdn import _reseed, build_gdn_module
+
+    if layout.model == "gdn":
+        module = build_gdn_module(config, seed=seed)
+        # What megatron's schedules ask of a model chunk (a GPTModel has both).
+        module.model_type = ModelType.encoder_or_decoder
+        module.set_input_tensor = _no_input_tensor
+        return module
+    _reseed(seed)
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False),
+        vocab_size=VOCAB, max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # untied, as Qwen3-Next (and tying needs a CUDA copy in megatron's PP setup)
+        share_embeddings_and_output_weights=False)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(name: str, layer_offset: int) -> str:
+    """A pipeline stage's parameter name in the one-stage model (layer numbers shifted)."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def _layer_offset(layout: Layout, config) -> int:
+    if layout.model != "gpt":
+        return 0
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config)
+
+
+def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_size: int,
+                   layer_offset: int = 0) -> dict:
+    """This rank's shard of a one-stage, TP 1 state (or gradient) dict ``full``, keyed by
+    ``model``'s own state-dict names: the GDN modules' sections by ``shard_gdn_state_dict``
+    (in_proj [q|k|v|z|beta|alpha] and conv1d [q|k|v] split per section), other
+    tensor-parallel parameters split along their ``partition_dim``, the rest whole."""
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    from core.testing.gdn import shard_gdn_state_dict
+
+    gdn_prefixes = [f"{n}." if n else "" for n, m in model.named_modules()
+                    if isinstance(m, _GDNBase)]
+    params = dict(model.named_parameters())
+    out = {}
+    for name in model.state_dict():
+        key = global_name(name, layer_offset)
+        if key not in full and name not in params:
+            continue  # a buffer that the dict (gradients) does not carry
+        tensor = full[key]
+        prefix = next((p for p in gdn_prefixes if name.startswith(p)), None)
+        param = params.get(name)
+        if prefix is not None:
+            out[name] = shard_gdn_state_dict({name: tensor}, config, tp_rank, tp_size,
+                                             prefix=prefix)[name]
+        elif param is not None and getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            out[name] = tensor.chunk(tp_size, dim=param.partition_dim)[tp_rank].clone()
+        elif isinstance(tensor, torch.Tensor):
+            out[name] = tensor.clone()
+        else:
+            out[name] = tensor
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+
+def make_data(seed: int = 3) -> dict:
+    """The reference batches (CPU tensors): 'sbhd', 'thd' (with cu_seqlens) and 'tokens'."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = GDN_SIZES["hidden_size"]
+    total = sum(PACKED_SEQLENS)
+    cu = torch.tensor([0, *torch.tensor(PACKED_SEQLENS).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return dict(
+        sbhd=dict(hidden=torch.randn(SEQ, BATCH, hidden, generator=gen),
+                  loss_weight=torch.randn(SEQ, BATCH, hidden, generator=gen)),
+        thd=dict(hidden=torch.randn(total, 1, hidden, generator=gen),
+                 loss_weight=torch.randn(total, 1, hidden, generator=gen), cu_seqlens=cu),
+        tokens=dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous()),
+    )
+
+
+def thd_cp_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Token indices of a packed THD stream that CP rank ``cp_rank`` holds: each sequence cut
+    into 2 x cp_size chunks, the rank taking chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank``
+    (the per-sequence load balancing of Transformer Engine's ``thd_get_partitioned_indices``,
+    which megatron's ``get_batch_on_this_cp_rank`` uses for THD and GDN's all-to-all undoes)."""
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    index = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(f"thd_cp_indices: sequence length {end - start} is not divisible by "
+                             f"2 x cp_size = {2 * cp_size}")
+        chunk = (end - start) // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            index.extend(range(start + c * chunk, start + (c + 1) * chunk))
+    return torch.tensor(index, dtype=torch.long)
+
+
+def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
+    """This rank's micro-batches of the reference batch ``data[layout.data]``."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = data[layout.data]
+    if layout.model == "gpt":
+        positions = torch.arange(SEQ).unsqueeze(0)
+        return [dict(tokens=batch["tokens"][b:b + 1].to(device),
+                     labels=batch["labels"][b:b + 1].to(device), position_ids=positions.to(device))
+                for b in range(BATCH)]
+    hidden, weight = batch["hidden"], batch["loss_weight"]
+    packed = None
+    if layout.packed:
+        cu = batch["cu_seqlens"]
+        if layout.cp > 1:
+            index = thd_cp_indices(cu, layout.cp, coords["cp"])
+            hidden, weight = hidden.index_select(0, index), weight.index_select(0, index)
+        longest = int((cu[1:] - cu[:-1]).max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device),
+                                 cu_seqlens_kv=cu.to(device), max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+    else:
+        hidden = hidden.chunk(layout.dp, dim=1)[coords["dp"]]
+        weight = weight.chunk(layout.dp, dim=1)[coords["dp"]]
+        if layout.cp > 1:
+            # megatron's CP split of a [B, S, ...] batch (cu_seqlens None: per-sequence zigzag)
+            split = get_batch_on_this_cp_rank(
+                dict(cu_seqlens=None, hidden=hidden.transpose(0, 1), weight=weight.transpose(0, 1)),
+                is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+            hidden, weight = split["hidden"].transpose(0, 1), split["weight"].transpose(0, 1)
+    if layout.sequence_parallel:
+        hidden = hidden.chunk(layout.tp, dim=0)[coords["tp"]]
+        weight = weight.chunk(layout.tp, dim=0)[coords["tp"]]
+    return [dict(hidden=hidden.contiguous().to(device), loss_weight=weight.contiguous().to(device),
+                 packed_seq_params=packed)]
+
+
+def _weighted_sum_loss(weight, output):
+    loss = (output.float() * weight).sum()
+    return loss, {"loss": loss.detach()}
+
+
+def _sum_loss(output):
+    loss = output.float().sum()
+    return loss, {"loss": loss.detach()}
+
+
+def _gdn_forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output, _ = model(batch["hidden"], attention_mask=None,
+                      packed_seq_params=batch["packed_seq_params"])
+    return output, partial(_weighted_sum_loss, batch["loss_weight"])
+
+
+def _gpt_forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    # labels given: the last stage returns the per-token cross entropy [B, S]
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _sum_loss
+
+
+# ----------------------------------------------------------------------------------------------
+# One case
+# ----------------------------------------------------------------------------------------------
+
+
+def _wrap(layout: Layout, config, model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if layout.fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"Layout {layout.name}: Megatron-FSDP needs CUDA (MegatronFSDP.__init__ takes "
+                "torch.cuda.current_device() and creates torch.cuda.Stream side streams)")
+
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+            overlap_grad_reduce=False, overlap_param_gather=False, use_distributed_optimizer=True)
+        # The GDN module is the FSDP unit (in a model, the TransformerLayer holding it): the
+        # fused path reads out_norm.weight without calling out_norm, so the whole module's
+        # parameters must be gathered before its forward.
+        wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                           fsdp_unit_modules=[type(model)])
+        return wrapped, wrapped.module.module
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=layout.distributed_optimizer)
+    wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return wrapped, wrapped.module
+
+
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient that finalize_model_grads reduces, found as it finds it: DDP's
+    ``main_grad``; Megatron-FSDP's distributed parameters carry ``.grad`` (a DTensor)."""
+    from megatron.core.distributed.finalize_model_grads import _get_main_grad_attr
+
+    return getattr(param, _get_main_grad_attr(param))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (Megatron-FSDP's main_grad / params) as its full tensor, on the CPU."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().float().cpu().clone()
+
+
+def _owned_ranges(optimizer, params: dict) -> dict:
+    """Distributed optimizer: the flat [start, end) range of each parameter that this rank owns
+    (its gradient is reduced there only); (0, 0) where it owns none."""
+    ranges = {name: (0, 0) for name in params}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        gbuf_map = getattr(opt, "model_param_gbuf_map", None)
+        if gbuf_map is None:
+            continue
+        for name, param in params.items():
+            if param not in gbuf_map:
+                continue
+            gbuf_index, dtype, bucket_index = gbuf_map[param]
+            param_map = opt.gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"]
+            if param in param_map:
+                owned = param_map[param]["param"]
+                ranges[name] = (owned.start, owned.end)
+    return ranges
+
+
+def run_case(layout: Layout, fused: bool, reference: dict, device,
+             reference_grads: Optional[dict] = None) -> dict:
+    """One training step of ``layout`` on this rank (parallel_state already set by
+    :func:`init_layout`); see the module docstring. ``reference`` holds 'weights' and 'data';
+    ``reference_grads`` (name -> full gradient) gives each record its expected shard."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from core.testing.cpu import cpu_tensor_types
+
+    coords = coordinates()
+    config = layout_config(layout, fused)
+    model = build_model(layout, config, seed=99)
+    offset = _layer_offset(layout, config)
+    initial = shard_for_rank(reference["weights"][layout.model], model, config, coords["tp"],
+                             layout.tp, offset)
+    model.load_state_dict(initial)
+    model.to(device)
+    # Names, TP attributes and expected shards from the module as built (Megatron-FSDP replaces
+    # the parameters when it wraps the module).
+    names = {n: global_name(n, offset) for n, _ in model.named_parameters()}
+    record = dict(
+        coords=coords, fused=fused,
+        tensor_parallel={
+            names[n]: layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
+            for n, p in model.named_parameters()},
+        fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for m in model.modules()
+                       if hasattr(m, "out_norm")],
+        recompute_modules=[bool(m.recompute_norm_out) for m in model.modules()
+                           if hasattr(m, "recompute_norm_out")],
+    )
+    if reference_grads is not None:
+        # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
+        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offset)
+        record["expected"] = {names[n]: sharded[n].float() / layout.dp for n in names}
+        record["expected_scale"] = {
+            names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in names}
+        record["initial"] = {names[n]: initial[n].float() for n in names}
+
+    wrapped, inner = _wrap(layout, config, model)
+    with cpu_tensor_types():
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=LR, params_dtype=torch.float32,
+                            use_distributed_optimizer=layout.distributed_optimizer or layout.fsdp),
+            [wrapped])
+    config.finalize_model_grads_func = finalize_model_grads  # as megatron's training loop
+    batches = local_batches(layout, reference["data"], coords, device)
+    wrapped.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=_gpt_forward_step if layout.model == "gpt" else _gdn_forward_step,
+        data_iterator=iter(batches), model=[wrapped], num_microbatches=len(batches),
+        seq_length=SEQ, micro_batch_size=1 if layout.model == "gpt" else BATCH // layout.dp,
+        forward_only=False)
+
+    params = dict(inner.named_parameters())
+    record["grads"] = {names[n]: _full(_main_grad(p)) for n, p in params.items()}
+    if layout.distributed_optimizer:
+        record["owned"] = {names[n]: r for n, r in _owned_ranges(optimizer, params).items()}
+    with cpu_tensor_types():
+        update_successful, _, _ = optimizer.step()
+    record["update_successful"] = bool(update_successful)
+    record["params"] = {names[n]: _full(p) for n, p in inner.named_parameters()}
+    return record
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference and workers
+# ----------------------------------------------------------------------------------------------
+
+
+REFERENCE_CASES = tuple((model, data, fused) for model, datas in (("gdn", ("sbhd", "thd")),
+                                                                   ("gpt", ("tokens",)))
+                        for data in datas for fused in (True, False))
+
+
+def make_reference(path: str, device=None, cases=REFERENCE_CASES) -> dict:
+    """The TP 1 / CP 1 / one-stage reference (parallel_state initialised at world size 1):
+    weights of both models, the batches, and for each (model, data, fused) of ``cases`` the
+    gradients of :func:`run_case`; saved to ``path`` and returned."""
+    from core.testing.gdn import randomize_norm_weights
+
+    device = device or torch.device("cpu")
+    reference = dict(weights={}, data=make_data(), grads={})
+    for model_name, layout in REFERENCE.items():
+        init_layout(layout)
+        model = build_model(layout, layout_config(layout, fused=False), seed=99)
+        randomize_norm_weights(model)
+        reference["weights"][model_name] = {
+            k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in model.state_dict().items()}
+    for model_name, data_name, fused in cases:
+        layout = dataclasses.replace(REFERENCE[model_name], packed=data_name == "thd")
+        init_layout(layout)
+        record = run_case(layout, fused, reference, device)
+        reference["grads"][reference_key(model_name, data_name, fused)] = record["grads"]
+    torch.save(reference, path)
+    return reference
+
+
+def run_layouts(layouts, reference_path: str, device, fused_values=(True, False)) -> dict:
+    """Every layout (all of this world's size) for each value of the flag; a case that raises
+    records its traceback under 'error' (and the next case runs)."""
+    reference = torch.load(reference_path, weights_only=False)
+    results = {}
+    for layout in layouts:
+        init_layout(layout)
+        for fused in fused_values:
+            key = case_key(layout, fused)
+            try:
+                grads = reference["grads"][reference_key(layout.model, layout.data, fused)]
+                results[key] = run_case(layout, fused, reference, device, grads)
+            except Exception:  # noqa: BLE001  (reported by the test of this case)
+                results[key] = dict(error=traceback.format_exc())
+    return results
+
+
+def layout_worker(rank: int, world_size: int, init_file: str, reference_path: str, out_dir: str,
+                  layouts, fused_values=(True, False)) -> None:
+    """``torch.multiprocessing.spawn`` entry: one world, every layout of it; each rank saves
+    ``rank{r}.pt`` in ``out_dir``."""
+    from core.testing.cpu import install_cpu_fla_stand_ins, install_cpu_shims
+
+    install_cpu_shims(training=True)
+    install_cpu_fla_stand_ins()
+    torch.set_num_threads(1)  # several ranks share few cores
+    device = init_world(rank, world_size, init_file)
+    try:
+        results = run_layouts(layouts, reference_path, device, fused_values)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def reference_worker(rank: int, init_file: str, reference_path: str,
+                     cases=REFERENCE_CASES) -> None:
+    """``torch.multiprocessing.spawn`` entry (one process) for :func:`make_reference`, where the
+    calling process should hold no process group or device (the GPU tests)."""
+    from core.testing.cpu import install_cpu_fla_stand_ins, install_cpu_shims
+
+    install_cpu_shims(training=True)
+    install_cpu_fla_stand_ins()
+    device = init_world(rank, 1, init_file)
+    try:
+        make_reference(reference_path, device, cases)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def spawn_layouts(layouts, reference_path: str, out_dir: str, fused_values=(True, False)) -> list:
+    """Run ``layouts`` (one world size) in spawned processes; returns each rank's results."""
+    import torch.multiprocessing as mp
+
+    sizes = {layout.world_size for layout in layouts}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"spawn_layouts: layouts of one world size only, got sizes {sorted(sizes)}")
+    world = sizes.pop()
+    mp.spawn(layout_worker, nprocs=world, join=True,
+             args=(world, os.path.join(out_dir, "rendezvous"), reference_path, out_dir,
+                   tuple(layouts), tuple(fused_values)))
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (test process)
+# ----------------------------------------------------------------------------------------------
+
+
+def rel_err(got: torch.Tensor, expected: torch.Tensor, scale: Optional[float] = None) -> float:
+    """max |got - expected| / scale (default: max |expected|), in float64."""
+    got, expected = got.double(), expected.double()
+    if got.shape != expected.shape:
+        return float("inf")
+    if expected.numel() == 0:
+        return 0.0
+    scale = float(expected.abs().max()) if scale is None else scale
+    return float((got - expected).abs().max()) / max(scale, 1e-30)
+
+
+def grad_errors(records: list) -> dict:
+    """Per parameter name, the largest error over the ranks of :func:`grad_mismatches`' metric."""
+    errors = {}
+    for record in records:
+        for name, expected in record["expected"].items():
+            got = record["grads"].get(name)
+            if got is None:
+                errors[name] = float("inf")
+                continue
+            if "owned" in record:
+                start, end = record["owned"][name]
+                got, expected = got.flatten()[start:end], expected.flatten()[start:end]
+            err = rel_err(got, expected, record["expected_scale"][name])
+            errors[name] = max(errors.get(name, 0.0), err)
+    return errors
+
+
+def grad_mismatches(records: list, tolerance_factor: float = 1.0) -> list:
+    """Every rank's every parameter gradient against its expected shard of the reference, the
+    error relative to the largest element of the full reference gradient (a shard's own largest
+    element can be orders of magnitude smaller), within :func:`tolerance`. With the distributed
+    optimizer only the range each rank owns counts, and the owned ranges of the ranks holding
+    one shard must partition it (each element owned by exactly one rank).
+    ``tolerance_factor`` scales the tolerances (the GPU cases). Returns the failures (empty:
+    all good)."""
+    failures = []
+    coverage = {}
+    for record in records:
+        rank = record["coords"]["rank"]
+        if set(record["grads"]) != set(record["expected"]):
+            failures.append(f"rank {rank}: parameter names differ from the reference's: "
+                            f"{sorted(set(record['grads']) ^ set(record['expected']))}")
+        for name, err in grad_errors([record]).items():
+            limit = tolerance(name) * tolerance_factor
+            if not err <= limit:
+                failures.append(f"rank {rank} {name}: rel err {err:.2e} > {limit:.0e}")
+        for name, (start, end) in record.get("owned", {}).items():
+            key = (name, record["coords"]["tp"], record["coords"]["pp"])
+            numel = record["expected"][name].numel()
+            coverage.setdefault(key, torch.zeros(numel, dtype=torch.int32))[start:end] += 1
+    for (name, tp, pp), owners in coverage.items():
+        if not bool((owners == 1).all()):
+            failures.append(f"{name} (tp {tp}, pp {pp}): {int((owners == 1).sum())} of "
+                            f"{owners.numel()} elements owned by exactly one rank")
+    return failures
+
+
+def partial_out_norm_grad(reference: dict, fused: bool, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The out_norm weight gradient that TP rank ``tp_rank`` of the GDN module computes from its
+    own value heads alone (unreduced), obtained without any TP machinery: the TP 1 module with
+    the out_proj columns of the other ranks' heads zeroed, on the reference sbhd batch (the loss
+    is linear in the output, so the kept heads see the same output gradient). parallel_state
+    at world size 1. The TP ranks' partials sum to the full gradient."""
+    from core.testing.gdn import build_gdn_module
+
+    config = layout_config(REFERENCE["gdn"], fused)
+    module = build_gdn_module(config, seed=99)
+    module.load_state_dict(reference["weights"]["gdn"])
+    with torch.no_grad():
+        kept = module.out_proj.weight.chunk(tp_size, dim=1)[tp_rank].clone()
+        module.out_proj.weight.zero_()
+        module.out_proj.weight.chunk(tp_size, dim=1)[tp_rank].copy_(kept)
+    device = module.out_proj.weight.device
+    batch = reference["data"]["sbhd"]
+    output, _ = module(batch["hidden"].to(device), attention_mask=None)
+    (output.float() * batch["loss_weight"].to(device)).sum().backward()
+    return module.out_norm.weight.grad.detach().float().cpu()
+
+
+def replica_mismatches(records: list) -> list:
+    """After the optimizer step: every parameter bit-identical on all ranks that hold the same
+    shard of it (a tensor-parallel parameter: same TP rank; any other parameter, such as the GDN
+    out_norm weight: every rank holding it); and each parameter moved from its initial value
+    somewhere (the step did something). Returns the failures (empty: all good)."""
+    failures = []
+    groups = {}
+    for record in records:
+        for name, value in record["params"].items():
+            shard = record["coords"]["tp"] if record["tensor_parallel"][name] else None
+            groups.setdefault((name, shard), []).append((record["coords"]["rank"], value))
+    for (name, shard), held in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        first_rank, first = held[0]
+        for rank, value in held[1:]:
+            if not torch.equal(first, value):
+                diff = float((first - value).abs().max())
+                failures.append(f"{name}{'' if shard is None else f' (tp {shard})'}: rank {rank} "
+                                f"differs from rank {first_rank} after the step (max {diff:.2e})")
+    for record in records:
+        if not record["update_successful"]:
+            failures.append(f"rank {record['coords']['rank']}: optimizer step skipped")
+        for name, value in record["params"].items():
+            if "initial" in record and torch.equal(value, record["initial"][name]):
+                failures.append(f"rank {record['coords']['rank']} {name}: unchanged by the step")
+    return failures

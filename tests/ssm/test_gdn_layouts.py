@@ -1,0 +1,244 @@
+"""The layout matrix on the CPU (gloo, spawned processes): GDN models under TP, SP, CP, packed
+sequences, PP, the distributed optimizer and selective recompute, flag on and off, against the
+same model at TP 1 / CP 1 / one stage (core.testing.parallel; docs/tensor_parallel.md, section
+"Parallel layouts").
+
+Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
+equals the reference gradient (sharded like the parameter) within fp32 tolerance on every rank,
+and after megatron's optimizer step every parameter is bit-identical on the ranks holding the
+same shard (the GDN out_norm weight: on every rank). Two spawns in all (2 and 4 processes), each
+running all the layouts of its size, flag on and off; one reference computation per model and
+batch, in this process."""
+
+from core.testing.cpu import (init_cpu_model_parallel, install_cpu_fla_stand_ins,  # noqa: I001
+                              install_cpu_shims)
+
+install_cpu_shims(training=True)
+install_cpu_fla_stand_ins()
+
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,  # noqa: E402
+                                   layout_config, make_reference, partial_out_norm_grad,
+                                   replica_mismatches, run_case, spawn_layouts, thd_cp_indices)
+
+WORLDS = {
+    2: (
+        Layout("tp2", tp=2),
+        Layout("tp2-sp", tp=2, sequence_parallel=True),
+        Layout("cp2", cp=2),
+        # the distributed optimizer shards over the DP x CP group (2 ranks here)
+        Layout("cp2-distopt-recompute", cp=2, distributed_optimizer=True, recompute=True),
+        Layout("thd-tp2-sp", tp=2, sequence_parallel=True, packed=True),
+        Layout("thd-cp2-recompute", cp=2, packed=True, recompute=True),
+        Layout("pp2", pp=2, model="gpt"),
+    ),
+    4: (
+        Layout("tp4", tp=4),
+        Layout("tp4-sp", tp=4, sequence_parallel=True),
+        Layout("tp2-cp2-sp", tp=2, cp=2, sequence_parallel=True),
+        Layout("tp2-dp2-sp-distopt", tp=2, dp=2, sequence_parallel=True,
+               distributed_optimizer=True),
+        Layout("thd-tp2-cp2-sp-recompute", tp=2, cp=2, sequence_parallel=True, packed=True,
+               recompute=True),
+        Layout("pp2-tp2-sp-recompute", pp=2, tp=2, sequence_parallel=True, recompute=True,
+               model="gpt"),
+    ),
+}
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the gloo matrix is for CPU-only machines (CI); with CUDA the same harness runs over "
+           "NCCL, one GPU per rank: tests/ssm/test_gdn_layouts_gpu.py")
+CASES = [(layout, fused) for world in WORLDS.values() for layout in world
+         for fused in (True, False)]
+CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The TP 1 / CP 1 / one-stage reference: weights, batches and gradients (path, dict)."""
+    path = str(tmp_path_factory.mktemp("layouts") / "reference.pt")
+    init_cpu_model_parallel(tp_size=1)
+    return path, make_reference(path)
+
+
+@pytest.fixture(scope="module")
+def worlds(reference, tmp_path_factory):
+    """``worlds(n)``: every rank's results of the n-process world (spawned once, on first use)."""
+    cache = {}
+
+    def results(world_size: int) -> list:
+        if world_size not in cache:
+            out = tmp_path_factory.mktemp(f"world{world_size}")
+            cache[world_size] = spawn_layouts(WORLDS[world_size], reference[0], str(out))
+        return cache[world_size]
+
+    return results
+
+
+def _records(worlds, layout: Layout, fused: bool) -> list:
+    key = case_key(layout, fused)
+    records = [rank[key] for rank in worlds(layout.world_size)]
+    for rank, record in enumerate(records):
+        if "error" in record:
+            pytest.fail(f"{key} raised on rank {rank}:\n{record['error']}")
+    return records
+
+
+@pytest.mark.parametrize("layout, fused", CASES, ids=CASE_IDS)
+def test_every_gradient_matches_reference(worlds, layout, fused):
+    records = _records(worlds, layout, fused)
+    # the case ran the path it names: the fused kernel or not, recompute or not, on every rank
+    for record in records:
+        assert record["fused_modules"] and set(record["fused_modules"]) == {fused}
+        assert set(record["recompute_modules"]) == {layout.recompute}
+    if layout.distributed_optimizer:
+        assert all("owned" in record for record in records)
+    assert grad_mismatches(records) == []
+
+
+@pytest.mark.parametrize("layout, fused", CASES, ids=CASE_IDS)
+def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused):
+    records = _records(worlds, layout, fused)
+    assert replica_mismatches(records) == []
+    # the out_norm weight of each GDN layer: held by every rank of its stage
+    holders = {}
+    for record in records:
+        for name in record["params"]:
+            if name.endswith("out_norm.weight"):
+                holders.setdefault(name, []).append(record["coords"]["rank"])
+    assert holders
+    assert sum(len(ranks) for ranks in holders.values()) >= layout.world_size
+    assert all(len(ranks) == layout.world_size // layout.pp for ranks in holders.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The checks catch what they are for
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_comparison_catches_unreduced_out_norm_gradient(reference, worlds, fused):
+    """Give each TP 2 rank the out_norm gradient of its own heads only (what it holds when no
+    TP reduction happens): the comparison flags exactly that parameter on every rank."""
+    layout = WORLDS[2][0]
+    assert layout.tp == 2 and not layout.sequence_parallel
+    records = copy.deepcopy(_records(worlds, layout, fused))
+    init_cpu_model_parallel(tp_size=1)
+    partials = [partial_out_norm_grad(reference[1], fused, r, layout.tp) for r in range(layout.tp)]
+    full = reference[1]["grads"][f"gdn-sbhd-{'fused' if fused else 'unfused'}"]["out_norm.weight"]
+    torch.testing.assert_close(sum(partials), full, rtol=1e-5, atol=1e-7)  # the genuine pieces
+    for record in records:
+        record["grads"]["out_norm.weight"] = partials[record["coords"]["tp"]]
+    failures = grad_mismatches(records)
+    assert len(failures) == layout.tp, failures
+    assert all("out_norm.weight" in failure for failure in failures), failures
+
+
+def test_replica_check_catches_one_ulp(worlds):
+    records = copy.deepcopy(_records(worlds, WORLDS[2][1], True))
+    weight = records[1]["params"]["out_norm.weight"]
+    weight[3] = torch.nextafter(weight[3], torch.tensor(float("inf")))
+    failures = replica_mismatches(records)
+    assert len(failures) == 1 and "out_norm.weight: rank 1 differs" in failures[0], failures
+
+
+def test_distributed_optimizer_coverage_check(worlds):
+    """A rank whose owned range of a parameter is dropped leaves that part unchecked: flagged."""
+    layout = WORLDS[2][3]
+    assert layout.distributed_optimizer
+    records = copy.deepcopy(_records(worlds, layout, True))
+    owners = [r for r in records
+              if r["owned"]["out_norm.weight"][1] > r["owned"]["out_norm.weight"][0]]
+    assert owners
+    owners[0]["owned"]["out_norm.weight"] = (0, 0)
+    failures = grad_mismatches(records)
+    assert len(failures) == 1 and "out_norm.weight" in failures[0] \
+        and "owned by exactly one rank" in failures[0], failures
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed sequences: what megatron refuses, and the CPU kernels they run on
+# ----------------------------------------------------------------------------------------------
+
+
+def _packed_params(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _gdn(reference, **layout_changes):
+    from core.testing.gdn import build_gdn_module
+
+    init_cpu_model_parallel(tp_size=1)
+    layout = dataclasses.replace(REFERENCE["gdn"], **layout_changes)
+    module = build_gdn_module(layout_config(layout, fused=True), seed=99)
+    module.load_state_dict(reference[1]["weights"]["gdn"])
+    return module
+
+
+@pytest.mark.parametrize("deterministic, batch, message", [
+    (True, 1, "Packed sequence does not support deterministic mode"),
+    (False, 2, "Packed sequence expects batch dimension to be 1"),
+], ids=["deterministic_mode", "batch2"])
+def test_megatron_refuses_packed_sequences(reference, deterministic, batch, message):
+    """megatron's GatedDeltaNet takes THD only without deterministic_mode (FLA's kernels; on the
+    CPU the stand-ins of core.testing.cpu) and with B = 1."""
+    module = _gdn(reference, packed=not deterministic)
+    data = reference[1]["data"]["thd"]
+    hidden = data["hidden"].expand(-1, batch, -1).contiguous()
+    with pytest.raises(AssertionError, match=message):
+        module(hidden, attention_mask=None, packed_seq_params=_packed_params(data["cu_seqlens"]))
+
+
+def test_packed_output_equals_each_sequence_alone(reference):
+    """The packed reference computes each sequence as if alone (the stand-ins honour cu_seqlens
+    and megatron's THD path keeps sequences apart)."""
+    module = _gdn(reference, packed=True)
+    data = reference[1]["data"]["thd"]
+    cu = data["cu_seqlens"]
+    packed, _ = module(data["hidden"], attention_mask=None, packed_seq_params=_packed_params(cu))
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone, _ = module(data["hidden"][start:end], attention_mask=None)
+        torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_stand_ins_equal_megatron_deterministic_path(reference):
+    """Without cu_seqlens the CPU stand-ins of FLA's kernels are megatron's deterministic_mode
+    path: same output and gradients (sbhd, B = 2)."""
+    data = reference[1]["data"]["sbhd"]
+    results = []
+    for packed in (False, True):  # packed=True: deterministic_mode off, the stand-ins run
+        module = _gdn(reference, packed=packed)
+        hidden = data["hidden"].clone().requires_grad_(True)
+        output, _ = module(hidden, attention_mask=None)
+        (output * data["loss_weight"]).sum().backward()
+        results.append((output.detach(), hidden.grad,
+                        {n: p.grad for n, p in module.named_parameters()}))
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = results
+    assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_thd_cp_indices():
+    cu = torch.tensor([0, 8, 20])
+    assert thd_cp_indices(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]
+    assert thd_cp_indices(cu, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
+    with pytest.raises(ValueError, match="not divisible by 2 x cp_size = 4"):
+        thd_cp_indices(torch.tensor([0, 6]), 2, 0)
+
+
+def test_fsdp_layout_refused_without_cuda(reference):
+    """Megatron-FSDP runs on GPUs only (tests/ssm/test_gdn_layouts_gpu.py::fsdp-tp2): the harness
+    says so before megatron fails on torch.cuda.current_device()."""
+    init_cpu_model_parallel(tp_size=1)
+    with pytest.raises(RuntimeError, match="Megatron-FSDP needs CUDA"):
+        run_case(Layout("fsdp", fsdp=True), True, reference[1], torch.device("cpu"))

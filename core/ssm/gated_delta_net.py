@@ -161,6 +161,26 @@ def megatron_tp_grad_reduction(param: torch.nn.Parameter, config, tp_group,
     return func
 
 
+def carry_tag_to_megatron_fsdp_param(param: torch.nn.Parameter, tag: str) -> Optional[int]:
+    """Set ``tag`` on Megatron-FSDP's distributed copy of ``param`` when ``param`` carries it.
+
+    Megatron-FSDP runs the forward on the module's own parameters but puts its distributed
+    parameters on the module before ``finalize_model_grads``; those copy a fixed list of
+    attributes (``set_param_attribute_closure`` in megatron_fsdp/param_and_grad_buffer.py,
+    megatron-core 0.19) without ``average_gradients_across_tp_domain``, so finalize would skip
+    the TP reduction. MegatronFSDP.forward marks each parameter with ``_megatron_fsdp_model``
+    before it runs the module; its ``param_and_grad_buffer.optimizer_named_parameters`` hold the
+    distributed parameters, each with ``orig_param``. Returns ``id`` of the Megatron-FSDP wrapper
+    that was handled (None without one), so a caller can skip the search next time."""
+    fsdp = getattr(param, "_megatron_fsdp_model", None)
+    if fsdp is None or not getattr(param, tag, False):
+        return None
+    for _, dist_param in fsdp.param_and_grad_buffer.optimizer_named_parameters:
+        if getattr(dist_param, "orig_param", None) is param:
+            setattr(dist_param, tag, True)
+    return id(fsdp)
+
+
 class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
     gate to the fused kernel. Constructor arguments are megatron's.
@@ -235,7 +255,12 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         if self.out_norm_weight_grad_scale == 1.0:
             return
         weight = getattr(self.out_norm, "weight", None)  # none: the norm's own checks refuse it
-        if isinstance(weight, torch.nn.Parameter) and not getattr(weight, TP_AVG_TAG, False):
+        if not isinstance(weight, torch.nn.Parameter):
+            return
+        fsdp = getattr(weight, "_megatron_fsdp_model", None)
+        if fsdp is not None and id(fsdp) != self.__dict__.get("_fsdp_tagged"):
+            self.__dict__["_fsdp_tagged"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
+        if not getattr(weight, TP_AVG_TAG, False):
             raise RuntimeError(
                 f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "
                 "replaced after construction), so finalize_model_grads would leave its "

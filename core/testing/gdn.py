@@ -19,6 +19,23 @@ import torch.nn.functional as F
 from core.transformer.transformer_config import TransformerConfig
 
 
+def fla_gdn_backward_unavailable() -> str:
+    """Why FLA's GDN kernels (megatron's GatedDeltaNet outside deterministic_mode) cannot run a
+    backward on this machine, '' when they can: for a GPU test's skip reason."""
+    try:
+        import fla  # noqa: F401
+        import triton
+    except ImportError as e:
+        return f"fla-core is not installed ({e})"
+    if not torch.cuda.is_available():
+        return ""  # the gpu marker skips the test already
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    if hopper and version < (3, 7, 1):
+        return f"FLA 0.6's GDN backward needs triton >= 3.7.1 on Hopper (installed: {triton.__version__})"
+    return ""
+
+
 def unwrap_jit_gdn_methods() -> dict:
     """Make megatron's jit_fuser-decorated GDN methods (norm + gate, input preparation) run as
     written, eagerly. torch.compile drops the intermediate rounding of the norm output, so the

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.testing.gdn import fla_gdn_backward_unavailable
 from tools.gdn_layer import LayerSetup, fwd_bwd, init_single_process, layer_parity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,23 +30,8 @@ LAYER_ERR_SLACK = 1.05  # FLA's bf16 kernels dominate the layer's error; the nor
 #                         is checked on the norm section
 
 
-def _fla_gdn_backward_missing() -> str:
-    """Why FLA's GDN kernels cannot run here ('' when they can)."""
-    try:
-        import fla  # noqa: F401
-        import triton
-    except ImportError as e:
-        return f"fla-core is not installed ({e})"
-    if not torch.cuda.is_available():
-        return ""  # the gpu marker skips the test already
-    hopper = torch.cuda.get_device_capability()[0] == 9
-    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
-    if hopper and version < (3, 7, 1):
-        return f"FLA 0.6's GDN backward needs triton >= 3.7.1 on Hopper (installed: {triton.__version__})"
-    return ""
-
-
-requires_fla = pytest.mark.skipif(bool(_fla_gdn_backward_missing()), reason=_fla_gdn_backward_missing() or "-")
+requires_fla = pytest.mark.skipif(bool(fla_gdn_backward_unavailable()),
+                                  reason=fla_gdn_backward_unavailable() or "-")
 
 
 @pytest.fixture(scope="module")

@@ -213,3 +213,42 @@ def test_replaced_weight_without_tp_tag_raises():
     module.out_norm = torch.nn.Identity()  # no weight at all: validation's own error
     with pytest.raises(ValueError, match="out_norm to have a weight"):
         module._apply_gated_norm(x, gate)
+
+
+def test_tp_tag_reaches_megatron_fsdp_distributed_param():
+    """Megatron-FSDP (it needs CUDA: the GPU case is tests/ssm/test_gdn_layouts_gpu.py) runs the
+    forward on the module's own parameter, marked ``_megatron_fsdp_model``, and hands finalize
+    its distributed copy, which keeps only a fixed list of attributes. The forward carries the
+    TP tag over to that copy, found through ``orig_param``; other parameters are left alone."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
+    weight = module.out_norm.weight
+    module.out_norm_weight_grad_scale = 2.0  # as on a TP 2 rank whose partial dW megatron leaves
+    setattr(weight, TP_AVG_TAG, True)
+    dist_weight, dist_other = torch.nn.Parameter(weight.detach()[:8]), torch.nn.Parameter(torch.ones(2))
+    dist_weight.orig_param, dist_other.orig_param = weight, torch.nn.Parameter(torch.ones(2))
+    buffer = type("Buffer", (), {"optimizer_named_parameters": [
+        ("decoder.other", dist_other), ("decoder.out_norm.weight", dist_weight)]})()
+    weight._megatron_fsdp_model = type("FSDP", (), {"param_and_grad_buffer": buffer})()
+    module._apply_gated_norm(x, gate)
+    assert getattr(dist_weight, TP_AVG_TAG, False) is True
+    assert not hasattr(dist_other, TP_AVG_TAG)
+
+
+def test_megatron_fsdp_still_drops_the_tp_tag():
+    """The layout the carrying above relies on, read from megatron-core's source: MegatronFSDP's
+    forward swaps the module's own parameters in (marking them ``_megatron_fsdp_model``), and its
+    distributed parameters keep ``orig_param`` and a fixed attribute list without the TP tag.
+    When a megatron-core changes this, the test says so."""
+    import inspect
+
+    fsdp = importlib.import_module(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
+    buffers = importlib.import_module(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+    assert "_replace_param_with_raw_if_needed" in inspect.getsource(fsdp.MegatronFSDP.forward)
+    assert "_megatron_fsdp_model = self" in inspect.getsource(
+        fsdp.MegatronFSDP._replace_param_with_raw_if_needed)
+    source = inspect.getsource(buffers.ParamAndGradBuffer._init_optimizer_named_parameters)
+    assert '"orig_param", orig_param' in source
+    assert TP_AVG_TAG not in source  # if megatron copies it one day, the carrying is redundant

@@ -99,13 +99,23 @@ def _reset_cuda_graphs() -> None:
 def _cuda_graph_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
     """Step 1 eager (recorded), create_cudagraphs(), step 2 replayed; returns step 2's dW and
     how many times the Python norm code ran during step 2 (0: the graphs ran)."""
+    from core.testing.gdn import eager_megatron_gdn
+
+    # megatron's local CUDA graphs hook save_for_backward during capture, which its torch.compile'd
+    # (jit_fuser) GDN methods and fused bias-dropout-add do not survive (flag on or off): those
+    # run eagerly here.
+    with eager_megatron_gdn():
+        return _captured_step(state, rank, tp_size, x, dy, device)
+
+
+def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
     from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
     from core.ssm.gated_delta_net import GatedDeltaNet
 
     _reset_cuda_graphs()
     _parallel(tp_size, cudagraphable_rng=True)
-    config = layer_config(tp_size, cuda_graph_impl="local")
+    config = layer_config(tp_size, cuda_graph_impl="local", bias_dropout_fusion=False)
     layer = _layer(config, shard_layer_state(state, config, rank, tp_size), device)
     model = _ddp(layer)
     eager_dw = _step(model, x, dy)

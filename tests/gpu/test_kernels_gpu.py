@@ -113,7 +113,11 @@ def test_cuda_graph_replay_matches_eager():
     """Forward + backward captured in one graph (the gate slice taken inside the captured step,
     as a model does), replayed on new data: the same bits as an eager step."""
     b, s, h, d = 2, 512, 8, 128
-    x, gate, weight, dy, leaves = make_inputs((b, s, h, d), "strided_gate")
+    inputs = make_inputs((b, s, h, d), "strided_gate")
+    # Keep no gate view made before the capture: it would keep packed's gradient accumulator,
+    # made on the default stream, alive, and capture forbids work on the legacy stream.
+    x, weight, dy, leaves = inputs[0], inputs[2], inputs[3], inputs[4]
+    del inputs
     packed = leaves[1]
 
     def step():

@@ -44,9 +44,16 @@ def test_flag_requires_supported_gate_activation(activation):
         gdn_config(fused_gated_norm=True, activation_func=activation)
 
 
-def test_zero_centered_override_must_be_bool_or_none():
+@pytest.mark.parametrize("value", ["yes", 1, 0])
+def test_zero_centered_override_must_be_bool_or_none(value):
     with pytest.raises(ValueError, match="gdn_out_norm_zero_centered_gamma must be None"):
-        gdn_config(gdn_out_norm_zero_centered_gamma="yes")
+        gdn_config(gdn_out_norm_zero_centered_gamma=value)
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_flag_must_be_bool(value):
+    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
+        gdn_config(fused_gated_norm=value)
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,7 @@ import torch
 
 _INSTALLED = False
 _TRAINING_INSTALLED = False
+_TRAINING_LOOP_INSTALLED = False
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -136,7 +137,8 @@ def _unwrap_compiled(cls) -> None:
             setattr(cls, name, orig)
 
 
-def install_cpu_shims(share_storage_copy: bool = True, training: bool = False) -> None:
+def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
+                      training_loop: bool = False) -> None:
     """Install the layer-level shims listed in the module docstring (and, with
     ``training=True``, the training-level ones too). Idempotent; call it before importing
     ``core.ssm`` or megatron's ``gated_delta_net`` (already-imported modules are fixed up too).
@@ -146,8 +148,10 @@ def install_cpu_shims(share_storage_copy: bool = True, training: bool = False) -
     training: also :func:`install_cpu_training_shims` (DDP, optimizer, grad clipping, local
     attention, and the torch l2norm speed stand-in)."""
     _install_layer_shims(share_storage_copy)
-    if training:
+    if training or training_loop:
         install_cpu_training_shims()
+    if training_loop:
+        install_cpu_training_loop_shims()
 
 
 def _install_layer_shims(share_storage_copy: bool) -> None:
@@ -202,8 +206,23 @@ TRAINING_MODULES = (
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
 )
+# megatron.training modules with `device='cuda'` literals or CUDA stream calls on pretrain's path.
+TRAINING_LOOP_MODULES = (
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.models.dist_utils",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+    "megatron.training.checkpointing",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
-              "empty_like", "full_like", "arange")
+              "empty_like", "full_like", "arange", "rand", "randn")
 
 
 def _cpu_device(device):
@@ -246,6 +265,13 @@ class _CpuCuda(types.ModuleType):
         self.synchronize = lambda *a, **k: None
         self.empty_cache = lambda *a, **k: None
         self.current_device = lambda: "cpu"
+        # The CPU is the one "device": megatron's initialize sets up model parallelism and the
+        # RNG tracker only when torch.cuda.device_count() > 0.
+        self.device_count = lambda: 1
+        self.set_device = lambda *a, **k: None
+        # The "CUDA" generator is the CPU generator (as in the layer shims' RNG tracker).
+        self.get_rng_state = _cpu_rng_state
+        self.set_rng_state = _set_cpu_rng_state
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -295,6 +321,60 @@ def install_cpu_training_shims() -> None:
     gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn_common.l2norm = torch_l2norm  # the CPU speed stand-in (module docstring)
     _TRAINING_INSTALLED = True
+
+
+def _optimizer_with_cuda_type_names(get_megatron_optimizer):
+    """megatron's get_megatron_optimizer built, and its step run, under :func:`cpu_tensor_types`
+    (what the examples do by hand around their own optimizer calls)."""
+    import functools
+
+    @functools.wraps(get_megatron_optimizer)
+    def build(*args, **kwargs):
+        with cpu_tensor_types():
+            optimizer = get_megatron_optimizer(*args, **kwargs)
+        step = optimizer.step
+
+        @functools.wraps(step)
+        def step_with_cuda_type_names(*step_args, **step_kwargs):
+            with cpu_tensor_types():
+                return step(*step_args, **step_kwargs)
+
+        optimizer.step = step_with_cuda_type_names
+        return optimizer
+
+    return build
+
+
+def install_cpu_training_loop_shims() -> None:
+    """The training-loop shims (module docstring): megatron.training's pretrain on the CPU."""
+    global _TRAINING_LOOP_INSTALLED
+    if _TRAINING_LOOP_INSTALLED or torch.cuda.is_available():
+        return
+    install_cpu_training_shims()
+    import functools
+
+    training = importlib.import_module("megatron.training.training")
+    training.initialize_megatron = functools.partial(training.initialize_megatron,
+                                                     allow_no_cuda=True)
+    # The jit fuser is off on the CPU: nothing to warm up, and functions torch.compile'd at
+    # import time (before the layer shims disabled the fuser) go back to eager.
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
+    # validate_args asks the GPU's architecture at TP/CP > 1: answer the H200's (Hopper, 9).
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 9
+    training.get_megatron_optimizer = _optimizer_with_cuda_type_names(
+        training.get_megatron_optimizer)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.") and mod is not None:
+            for attr, value in list(vars(mod).items()):
+                orig = getattr(value, "_torchdynamo_orig_callable", None)
+                if orig is not None and callable(value):
+                    setattr(mod, attr, orig)
+    proxy = _CpuTorch()
+    for name in TRAINING_LOOP_MODULES:
+        mod = importlib.import_module(name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    _TRAINING_LOOP_INSTALLED = True
 
 
 @contextlib.contextmanager

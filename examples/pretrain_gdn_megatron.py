@@ -49,7 +49,13 @@ if ROOT not in sys.path:
 HAS_CUDA = torch.cuda.is_available()
 # As megatron's launch scripts do (ordering of TP/SP communication and compute kernels).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-if not HAS_CUDA:
+if HAS_CUDA:
+    # megatron-core 0.19's gdn_norm_out recompute takes Transformer Engine's fp8 path even with
+    # fp8 off (NameError without TE); a no-op when TE is installed.
+    from core.testing.cpu import patch_checkpoint_without_output_fp8  # noqa: E402
+
+    patch_checkpoint_without_output_fp8()
+else:
     # Must happen before the first `import triton` anywhere (core.fusions, FLA, megatron).
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from core.testing.cpu import install_cpu_shims  # noqa: E402
@@ -82,6 +88,7 @@ from core.models.gdn_specs import (  # noqa: E402
     get_gdn_hybrid_block_spec,
     use_fused_gdn,
 )
+from core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
 from core.training import add_gdn_fusion_args, transformer_config_from_args  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -137,9 +144,16 @@ def gdn_block_spec(model_config, vp_stage=None):
     return use_fused_gdn(spec)
 
 
+_GDN_LAYERS: dict = {}  # filled by check_fused_gdn, written to --gdn-metrics-out
+
+
 def check_fused_gdn(model_chunks):
-    """megatron post-wrap hook: refuse a model whose GDN layers would ignore the flag."""
+    """megatron post-wrap hook: refuse a model whose GDN layers would ignore the flag; count
+    the GDN layers (ours, and with the fused path on) for --gdn-metrics-out."""
     assert_fused_gdn(model_chunks)
+    layers = [m for chunk in model_chunks for m in chunk.modules()
+              if isinstance(m, GatedDeltaNet)]
+    _GDN_LAYERS.update(count=len(layers), fused=sum(m.fused_gated_norm for m in layers))
     return model_chunks
 
 
@@ -275,6 +289,8 @@ def write_metrics(path: str) -> None:
         "global_batch_size": args.global_batch_size,
         "seq_length": args.seq_length,
         "loaded_iteration": args.iteration if args.load else None,
+        "gdn_layers": _GDN_LAYERS.get("count"),
+        "gdn_layers_fused": _GDN_LAYERS.get("fused"),
         "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
         "max_memory_allocated": torch.cuda.max_memory_allocated() if HAS_CUDA else None,
         "iterations": rows,

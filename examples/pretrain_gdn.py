@@ -593,10 +593,6 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
     if HAS_CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        from core.testing.cpu import patch_checkpoint_without_output_fp8
-
-        # gdn_norm_out recompute without Transformer Engine (a no-op when TE is installed).
-        patch_checkpoint_without_output_fp8()
         if not args.jit_fuser:
             _disable_megatron_jit_fuser()
     else:

@@ -49,13 +49,7 @@ if ROOT not in sys.path:
 HAS_CUDA = torch.cuda.is_available()
 # As megatron's launch scripts do (ordering of TP/SP communication and compute kernels).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-if HAS_CUDA:
-    # megatron-core 0.19's gdn_norm_out recompute takes Transformer Engine's fp8 path even with
-    # fp8 off (NameError without TE); a no-op when TE is installed.
-    from core.testing.cpu import patch_checkpoint_without_output_fp8  # noqa: E402
-
-    patch_checkpoint_without_output_fp8()
-else:
+if not HAS_CUDA:
     # Must happen before the first `import triton` anywhere (core.fusions, FLA, megatron).
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from core.testing.cpu import install_cpu_shims  # noqa: E402

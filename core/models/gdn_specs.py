@@ -1,14 +1,25 @@
-"""Module and layer specs that build Gated DeltaNet models with the fused output norm available.
+"""Specs that build Gated DeltaNet models whose GDN layers are core.ssm.GatedDeltaNet (the class
+that honours ``config.fused_gated_norm``), on top of megatron-core's own spec functions.
 
-    get_gdn_module_spec(use_te)           the GDN mixer (core.ssm.GatedDeltaNet)
-    get_gdn_layer_spec(use_te)            a TransformerLayer: GDN mixer + dense MLP
-    get_attention_layer_spec(use_te)      a standard softmax-attention TransformerLayer
-    get_gdn_hybrid_block_spec(config)     a TransformerBlockSubmodules for GPTModel: GDN layers
-                                          with an attention layer every linear_attention_freq
+    use_fused_gdn(spec)                   any megatron spec tree with megatron's GatedDeltaNet
+                                          replaced by ours (nothing built, input untouched)
+    assert_fused_gdn(model)               raises, naming the layers, when a built model asks for
+                                          the fusion but holds megatron's GatedDeltaNet
+    replace_modules(spec, {old: new})     the spec rewrite both of the above rest on
+    get_gdn_hybrid_block_spec(config)     GPTModel block of the gated_delta_net attention variant:
+                                          megatron's block spec (TE), or the same block from
+                                          megatron's local layer specs (no TE)
+    get_gdn_module_spec(use_te, config)   the GDN mixer
+    get_gdn_layer_spec(use_te, config)    a TransformerLayer: GDN mixer + dense MLP
+    get_attention_layer_spec(use_te)      megatron's standard attention TransformerLayer
 
-``use_te=None`` uses Transformer Engine when it is installed; ``False`` forces megatron-core's
-own modules (ColumnParallelLinear / RowParallelLinear / DotProductAttention and
-:class:`core.transformer.RMSNorm`), which work on any device; ``True`` without TE raises.
+HybridModel ('G' layers of a ``hybrid_layer_pattern``): ``use_fused_gdn(hybrid_stack_spec)``
+(``megatron.core.models.hybrid.hybrid_layer_specs``); megatron's hybrid stack is TE-only.
+
+``use_te=None`` uses Transformer Engine when it is installed and ``config.transformer_impl`` is
+'transformer_engine' (megatron's default); ``False`` forces megatron-core's own modules
+(ColumnParallelLinear / RowParallelLinear / DotProductAttention and
+:class:`core.transformer.LocalNorm`), which work on any device; ``True`` without TE raises.
 The fusion itself is switched by ``config.fused_gated_norm``, not by the spec.
 
 Example::
@@ -18,39 +29,42 @@ Example::
                                activation_func=F.silu, fused_gated_norm=True)
     model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
                      vocab_size=..., max_sequence_length=...)
+    assert_fused_gdn(model)
+
+    # a spec from megatron, or from a framework on top of it: swap the GDN class only
+    model = HybridModel(config, use_fused_gdn(hybrid_stack_spec), ...)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Optional
+import functools
+import importlib
+from typing import Any, Mapping, Optional
 
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-    get_linear_attention_pattern,
-    get_moe_layer_pattern,
-)
+import torch
+
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as _mgdn
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
-    get_mlp_module_spec_for_backend,
+    get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDeltaNet
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from core.ssm.gated_delta_net import GatedDeltaNet
 from core.transformer.rms_norm import LocalNorm
+from core.transformer.transformer_config import gdn_out_norm_zero_centered
 
 try:
     import transformer_engine  # noqa: F401  # pylint: disable=unused-import
@@ -60,133 +74,314 @@ except ImportError:
     HAVE_TE = False
 
 
-def _use_te(use_te: Optional[bool]) -> bool:
+def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
+    """A copy of a spec tree with every occurrence of a key of ``replacements`` (a class,
+    function or any other object, matched by identity) replaced by its value. Nothing is built.
+
+    ``spec`` is anything megatron takes as a spec: a ``ModuleSpec``, a submodules dataclass
+    (``TransformerBlockSubmodules``, ``TransformerLayerSubmodules``, ``HybridStackSubmodules``,
+    ...), a list / tuple of them, or a bare class. The walk descends into dataclass fields,
+    lists, tuples, dicts (``params``, ``metainfo``) and ``functools.partial`` builders (megatron's
+    MLP / MoE submodules), and resolves a ``ModuleSpec.module`` given as an import path
+    ``(module, name)`` when ``name`` is the name of a replaced object.
+
+    The input is not modified. A node none of whose descendants changes is returned as is (the
+    same object); a changed node is a shallow copy with the changed fields set (no
+    ``__init__`` / ``__post_init__`` re-run). A node shared by several parents (megatron's block
+    builders reuse one mixer spec for every GDN layer) maps to one shared copy."""
+    pairs = tuple(replacements.items())
+    if not pairs:
+        return spec
+    return _replace(spec, pairs, {})
+
+
+def _replacement(node: Any, pairs) -> Any:
+    for old, new in pairs:
+        if node is old:
+            return new
+    return _NO_REPLACEMENT
+
+
+_NO_REPLACEMENT = object()
+
+
+def _resolve_module_path(module: Any, pairs) -> Any:
+    """``ModuleSpec.module`` given as ``(import path, name)``: the object it names, when the name
+    is one of the replaced objects' names; else the tuple itself (not imported)."""
+    if not (isinstance(module, tuple) and len(module) == 2 and all(isinstance(p, str) for p in module)):
+        return module
+    path, name = module
+    if name not in {getattr(old, "__name__", None) for old, _ in pairs}:
+        return module
+    try:
+        return getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError):
+        return module
+
+
+def _replace(node: Any, pairs, memo: dict) -> Any:
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = node  # a cycle, if any, keeps the original reference
+    new = _replace_uncached(node, pairs, memo)
+    memo[key] = new
+    return new
+
+
+def _replace_uncached(node: Any, pairs, memo: dict) -> Any:
+    replacement = _replacement(node, pairs)
+    if replacement is not _NO_REPLACEMENT:
+        return replacement
+    if isinstance(node, type) or node is None or isinstance(node, (str, bytes, int, float)):
+        return node
+    if isinstance(node, ModuleSpec):
+        module = _resolve_module_path(node.module, pairs)
+        new_module = _replace(module, pairs, memo)
+        # a path that resolves to an object not replaced stays written as a path
+        changes = {"module": new_module} if new_module is not module else {}
+        for name in ("params", "submodules", "metainfo"):
+            value = getattr(node, name)
+            new_value = _replace(value, pairs, memo)
+            if new_value is not value:
+                changes[name] = new_value
+        return _with_fields(node, changes)
+    if dataclasses.is_dataclass(node):
+        changes = {}
+        for field in dataclasses.fields(node):
+            if not hasattr(node, field.name):
+                continue
+            value = getattr(node, field.name)
+            new_value = _replace(value, pairs, memo)
+            if new_value is not value:
+                changes[field.name] = new_value
+        return _with_fields(node, changes)
+    if isinstance(node, functools.partial):
+        func = _replace(node.func, pairs, memo)
+        args = [_replace(a, pairs, memo) for a in node.args]
+        keywords = {k: _replace(v, pairs, memo) for k, v in node.keywords.items()}
+        if func is node.func and all(a is b for a, b in zip(args, node.args)) and all(
+            keywords[k] is v for k, v in node.keywords.items()
+        ):
+            return node
+        return type(node)(func, *args, **keywords)
+    if isinstance(node, (list, tuple)):
+        items = [_replace(item, pairs, memo) for item in node]
+        if all(a is b for a, b in zip(items, node)):
+            return node
+        if isinstance(node, list):
+            return type(node)(items)
+        return type(node)._make(items) if hasattr(type(node), "_make") else type(node)(items)
+    if isinstance(node, dict):
+        items = {k: _replace(v, pairs, memo) for k, v in node.items()}
+        if all(items[k] is v for k, v in node.items()):
+            return node
+        new = copy.copy(node)
+        new.update(items)
+        return new
+    return node
+
+
+def _with_fields(node: Any, changes: dict) -> Any:
+    if not changes:
+        return node
+    new = copy.copy(node)
+    for name, value in changes.items():
+        object.__setattr__(new, name, value)  # frozen dataclasses too
+    return new
+
+
+def use_fused_gdn(spec: Any) -> Any:
+    """``spec`` with megatron's ``GatedDeltaNet`` replaced by :class:`core.ssm.GatedDeltaNet`, so
+    that ``config.fused_gated_norm`` (and ``gdn_out_norm_zero_centered_gamma``, and the TP
+    gradient fix of the output norm) take effect in the model built from it.
+
+    Works on any spec megatron (or a framework on top of it) builds: the GPT block spec of the
+    ``gated_delta_net`` attention variant (``get_transformer_block_with_experimental_attention_variant_spec``
+    and its per-layer list), the hybrid stack spec (``megatron.core.models.hybrid.hybrid_stack_spec``,
+    whose 'G' layers hold the GDN), TE, local or Kitchen backends, dense or MoE MLPs, MTP
+    blocks, lists / tuples of any of these. Everything except the GDN class is left as it is
+    (same submodules, params, metainfo); nothing is built and the input is not modified (see
+    :func:`replace_modules`). Our class takes megatron's constructor arguments and builds the
+    same parameters, so state-dict and sharded-state-dict keys (and so checkpoints) do not change.
+
+    A subclass of megatron's GatedDeltaNet other than ours is someone else's layer and is left
+    alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion."""
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
+
+
+def _only_ours_honours(config) -> list:
+    """The settings of ``config`` that megatron's GatedDeltaNet silently ignores."""
+    asked = []
+    if getattr(config, "fused_gated_norm", False):
+        asked.append("fused_gated_norm=True")
+    if gdn_out_norm_zero_centered(config) != bool(config.layernorm_zero_centered_gamma):
+        asked.append(
+            f"gdn_out_norm_zero_centered_gamma={config.gdn_out_norm_zero_centered_gamma} "
+            f"(layernorm_zero_centered_gamma={config.layernorm_zero_centered_gamma})"
+        )
+    return asked
+
+
+def assert_fused_gdn(model) -> None:
+    """Raise ``TypeError`` when a GDN layer of ``model`` is megatron's ``GatedDeltaNet`` (or
+    another subclass of it that is not :class:`core.ssm.GatedDeltaNet`) while its config asks
+    for something only ours does: ``fused_gated_norm=True``, or a
+    ``gdn_out_norm_zero_centered_gamma`` that differs from ``layernorm_zero_centered_gamma``.
+    The message names every such module path. A no-op when nothing is asked for, or every GDN
+    layer is ours.
+
+    ``model``: a ``torch.nn.Module`` (any wrapper: DDP, Float16Module) or a list / tuple of
+    them (megatron's model chunks); paths of a list are prefixed with the chunk index.
+
+    Why an explicit check after the model is built, rather than an automatic one: the flag
+    lives in the config and the class in the spec, and nothing megatron runs sees both before
+    the layer exists. The config's ``__post_init__`` never sees a spec; our GatedDeltaNet's
+    constructor never runs when the spec names megatron's class; a hook inside megatron's
+    class (patching its ``__init__`` or ``build_module``) would change megatron process-wide for
+    every model, including ones that never import this package. The built model is the one
+    place where both are known, and walking its modules costs microseconds per layer, once.
+    Launchers call it right after building the model (``core.training``), and
+    :func:`get_gdn_hybrid_block_spec` / :func:`use_fused_gdn` make the specs it would reject
+    unnecessary."""
+    if isinstance(model, torch.nn.Module):
+        chunks = [("", model)]
+    elif isinstance(model, (list, tuple)) and all(isinstance(m, torch.nn.Module) for m in model):
+        chunks = [(f"[{i}].", m) for i, m in enumerate(model)]
+    else:
+        raise TypeError(
+            "assert_fused_gdn: model must be a torch.nn.Module or a list/tuple of them, got "
+            f"{type(model).__name__}"
+        )
+    offenders = []
+    asked_for = []
+    for prefix, chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, MegatronGatedDeltaNet) or isinstance(module, GatedDeltaNet):
+                continue
+            asked = _only_ours_honours(module.config)
+            if asked:
+                offenders.append(f"{prefix}{name or '<root>'} ({type(module).__module__}."
+                                 f"{type(module).__qualname__})")
+                asked_for.extend(a for a in asked if a not in asked_for)
+    if offenders:
+        raise TypeError(
+            f"assert_fused_gdn: the config asks for {', '.join(asked_for)}, which only "
+            "core.ssm.gated_delta_net.GatedDeltaNet implements, but these layers are another "
+            f"GatedDeltaNet class and would silently ignore it: {'; '.join(offenders)}. Build "
+            "the model from core.models.gdn_specs.use_fused_gdn(spec) (or "
+            "get_gdn_hybrid_block_spec(config))."
+        )
+
+
+def _use_te(use_te: Optional[bool], config=None) -> bool:
+    """Whether to build with Transformer Engine. None: when TE is installed and the config (if
+    any) asks for it (``transformer_impl='transformer_engine'``, megatron's default)."""
+    impl = getattr(config, "transformer_impl", "transformer_engine")
     if use_te is None:
-        return HAVE_TE
+        return HAVE_TE and impl == "transformer_engine"
+    if not isinstance(use_te, bool):
+        raise TypeError(f"use_te must be None, True or False, got {use_te!r}")
+    if use_te and impl != "transformer_engine":
+        raise ValueError(
+            "use_te=True requires config.transformer_impl='transformer_engine' (megatron's TE "
+            f"spec builders refuse anything else), got {impl!r}"
+        )
     if use_te and not HAVE_TE:
         raise ImportError(
             "use_te=True but Transformer Engine is not installed; pass use_te=None (auto) or "
             "False to build with megatron-core's own modules"
         )
-    return bool(use_te)
+    return use_te
 
 
-def _backend(te: bool):
-    if te:
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-        return TESpecProvider()
-    return LocalSpecProvider()
-
-
-def _norm(te: bool):
-    if te:
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        return TENorm
-    return LocalNorm
+def _local_norms(spec):
+    """megatron's local specs with WrappedTorchNorm (torch.nn.RMSNorm / LayerNorm, which refuse
+    zero-centred gamma and sequence parallelism and round RMSNorm differently from TE) replaced
+    by :class:`core.transformer.LocalNorm` (our TE-numerics RMSNorm for RMSNorm configs, megatron's
+    WrappedTorchNorm for LayerNorm ones)."""
+    return replace_modules(spec, {WrappedTorchNorm: LocalNorm})
 
 
-def get_gdn_module_spec(use_te: Optional[bool] = None) -> ModuleSpec:
+def _megatron_local_gdn_module_spec() -> ModuleSpec:
+    """The GDN mixer from megatron-core's own modules, naming megatron's class. megatron has no
+    working one: its builder (``get_gated_delta_net_module_spec``) takes in_proj from
+    ``backend.column_parallel_layer_norm_linear()``, which is None for the local backend, and
+    marks the input norm as fused. Here in_proj is a plain ColumnParallelLinear, so the layer
+    keeps its own input norm (``fuse_input_layernorm=False``), and the output norm is LocalNorm."""
+    return ModuleSpec(
+        module=MegatronGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear
+        ),
+        metainfo={"fuse_input_layernorm": False},
+    )
+
+
+def _default_te_config():
+    """For megatron's TE GDN module builder, which reads config.normalization only."""
+    from core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                             normalization="RMSNorm")
+
+
+def get_gdn_module_spec(use_te: Optional[bool] = None, config=None) -> ModuleSpec:
     """Spec of the GDN mixer: :class:`core.ssm.gated_delta_net.GatedDeltaNet`.
 
-    TE: in_proj = TELayerNormColumnParallelLinear (the layer's input norm fused in, metainfo
-    ``fuse_input_layernorm=True``), out_norm = TENorm, out_proj = TERowParallelLinear (as
-    megatron's ``get_gated_delta_net_module_spec``). Without TE: ColumnParallelLinear, our
-    RMSNorm (LocalNorm), RowParallelLinear; the input norm is then a separate layer module
-    (``fuse_input_layernorm=False``)."""
-    te = _use_te(use_te)
-    if te:
-        from megatron.core.extensions.transformer_engine import (
-            TELayerNormColumnParallelLinear,
-            TERowParallelLinear,
-        )
+    TE: megatron's ``get_gated_delta_net_module_spec(config)`` (TELayerNormColumnParallelLinear
+    with the layer's input norm fused in, TENorm, TERowParallelLinear; Kitchen when
+    ``config.use_kitchen``) through :func:`use_fused_gdn`; ``config`` None means plain TE and
+    RMSNorm. Without TE: ColumnParallelLinear, LocalNorm, RowParallelLinear, the input norm a
+    separate layer module (``fuse_input_layernorm=False``); megatron has no local GDN spec (see
+    ``_megatron_local_gdn_module_spec``)."""
+    if _use_te(use_te, config):
+        if config is None:
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
-        submodules = GatedDeltaNetSubmodules(
-            in_proj=TELayerNormColumnParallelLinear,
-            out_norm=_norm(True),
-            out_proj=TERowParallelLinear,
-        )
-    else:
-        submodules = GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear
-        )
-    return ModuleSpec(
-        module=GatedDeltaNet, submodules=submodules, metainfo={"fuse_input_layernorm": te}
-    )
+            spec = _mgdn.get_gated_delta_net_module_spec(_default_te_config(), TESpecProvider())
+        else:
+            spec = _mgdn.get_gated_delta_net_module_spec(config)
+        return use_fused_gdn(spec)
+    return use_fused_gdn(_megatron_local_gdn_module_spec())
 
 
-def _attention_module_spec(te: bool, qk_layernorm: bool) -> ModuleSpec:
-    if te:
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-        attention = spec.submodules.self_attention
-        attention.metainfo["fuse_input_layernorm"] = True
-        return attention
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    attention = spec.submodules.self_attention
-    qk_norm = LocalNorm if qk_layernorm else IdentityOp
-    attention = dataclasses.replace(
-        attention,
+def _with_gdn_mixer(layer: ModuleSpec, mixer: ModuleSpec) -> ModuleSpec:
+    """megatron's attention layer spec with the GDN mixer as its self_attention, as megatron's
+    GDN-variant block builder assembles a GDN layer (the input norm is fused into the mixer's
+    in_proj exactly when it was fused into linear_qkv: both come from the same backend).
+    Local specs map the separate input norm's sharded keys onto the mixer's in_proj (the TE
+    layout, ``self_attention.in_proj.layer_norm_weight``), as megatron's local attention spec
+    maps them onto ``linear_qkv``: distributed checkpoints of the two backends match."""
+    submodules = layer.submodules
+    keys_map = dict(submodules.sharded_state_dict_keys_map)
+    if not mixer.metainfo["fuse_input_layernorm"]:
+        keys_map["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+    return dataclasses.replace(
+        layer,
         submodules=dataclasses.replace(
-            attention.submodules, q_layernorm=qk_norm, k_layernorm=qk_norm
-        ),
-        metainfo={**attention.metainfo, "fuse_input_layernorm": False},
-    )
-    return attention
-
-
-def _mlp_spec(te: bool, config=None, moe: bool = False):
-    """(mlp spec, whether its pre-norm is fused into fc1)."""
-    backend = _backend(te)
-    if moe:
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-
-        spec = get_moe_module_spec_for_backend(
-            backend=backend,
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=config.moe_grouped_gemm,
-            use_te_activation_func=config.use_te_activation_func,
-        )
-        return spec, False
-    return get_mlp_module_spec_for_backend(backend=backend, num_experts=None), te
-
-
-def _layer_spec(te: bool, attention: ModuleSpec, mlp, fuse_pre_mlp_norm: bool) -> ModuleSpec:
-    norm = _norm(te)
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp if attention.metainfo["fuse_input_layernorm"] else norm,
-            self_attention=attention,
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp if fuse_pre_mlp_norm else norm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
+            submodules, self_attention=mixer, sharded_state_dict_keys_map=keys_map
         ),
     )
-
-
-def get_gdn_layer_spec(use_te: Optional[bool] = None) -> ModuleSpec:
-    """A TransformerLayer whose self_attention is the GDN mixer, followed by a dense MLP.
-    Without TE the input and pre-MLP norms are our RMSNorm (LocalNorm); with TE they are fused
-    into in_proj / fc1."""
-    te = _use_te(use_te)
-    mlp, fused = _mlp_spec(te)
-    return _layer_spec(te, get_gdn_module_spec(te), mlp, fused)
 
 
 def get_attention_layer_spec(use_te: Optional[bool] = None, qk_layernorm: bool = False) -> ModuleSpec:
-    """A standard causal self-attention TransformerLayer with a dense MLP: megatron's TE spec,
-    or without TE megatron's local spec (``get_gpt_layer_local_spec``) with its norms replaced
-    by LocalNorm (megatron's WrappedTorchNorm refuses sequence parallelism and zero-centred
-    gamma)."""
-    te = _use_te(use_te)
-    mlp, fused = _mlp_spec(te)
-    return _layer_spec(te, _attention_module_spec(te, qk_layernorm), mlp, fused)
+    """A standard causal self-attention TransformerLayer with a dense MLP: megatron's
+    ``get_gpt_layer_with_transformer_engine_spec``, or without TE megatron's
+    ``get_gpt_layer_local_spec`` (RMSNorm) with its norms made LocalNorm (megatron's
+    WrappedTorchNorm refuses sequence parallelism and zero-centred gamma)."""
+    if _use_te(use_te):
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return _local_norms(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm"))
+
+
+def get_gdn_layer_spec(use_te: Optional[bool] = None, config=None) -> ModuleSpec:
+    """A TransformerLayer whose self_attention is the GDN mixer, followed by a dense MLP:
+    :func:`get_attention_layer_spec` with the mixer of :func:`get_gdn_module_spec`. Without TE
+    the input and pre-MLP norms are LocalNorm modules; with TE they are fused into in_proj /
+    fc1."""
+    te = _use_te(use_te, config)
+    return _with_gdn_mixer(get_attention_layer_spec(te), get_gdn_module_spec(te, config))
 
 
 def get_gdn_hybrid_block_spec(
@@ -197,36 +392,64 @@ def get_gdn_hybrid_block_spec(
 ) -> TransformerBlockSubmodules:
     """Per-layer specs of a GDN / attention hybrid, for ``GPTModel(transformer_layer_spec=...)``.
 
-    Layer ``i`` (0-based) is softmax attention when ``(i + 1) % linear_attention_freq == 0``,
-    else GDN (megatron's convention, ``get_linear_attention_pattern``; a list
-    ``linear_attention_freq`` is used as the pattern, 1 = GDN). MLPs are dense, or MoE where
-    ``config.num_moe_experts``/``moe_layer_freq`` say so. Only this pipeline stage's layers are
-    returned; the final norm is included."""
-    te = _use_te(use_te)
+    TE: ``use_fused_gdn`` of megatron's own
+    ``get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)``
+    (its layer pattern, MoE pattern, MLA / qk_l2_norm / qk_layernorm attention, Kitchen backend,
+    pipeline slicing and final norm, whatever megatron's version of it supports).
+
+    Without TE (``use_te=False``, or auto with TE absent or ``transformer_impl='local'``):
+    megatron's builder cannot serve (its attention layers always come from the TE layer spec and
+    its GDN spec has no local in_proj), so the same block is assembled here from megatron's
+    local pieces: ``get_gpt_layer_local_spec`` for every layer (dense or MoE by
+    ``get_moe_layer_pattern``; qk_layernorm, qk_l2_norm, MLA and Kitchen from the config), the
+    GDN mixer of :func:`get_gdn_module_spec` in the layers ``get_linear_attention_pattern``
+    marks (layer ``i`` is attention when ``(i + 1) % linear_attention_freq == 0``; a list is the
+    pattern, 1 = GDN), megatron's pipeline slicing, and LocalNorm for every norm (megatron's
+    WrappedTorchNorm refuses zero-centred gamma and sequence parallelism)."""
     if config.experimental_attention_variant != "gated_delta_net":
         raise ValueError(
             "get_gdn_hybrid_block_spec requires experimental_attention_variant='gated_delta_net', "
             f"got {config.experimental_attention_variant!r}"
         )
-    attention_pattern = get_linear_attention_pattern(config)
+    if _use_te(use_te, config):
+        return use_fused_gdn(
+            _mgdn.get_transformer_block_with_experimental_attention_variant_spec(
+                config, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        )
+    return use_fused_gdn(_local_norms(_megatron_local_gdn_block_spec(config, vp_stage, pp_rank)))
+
+
+def _megatron_local_gdn_block_spec(config, vp_stage, pp_rank) -> TransformerBlockSubmodules:
+    """The no-TE block of :func:`get_gdn_hybrid_block_spec` before its two rewrites (megatron's
+    classes and norms throughout)."""
+    attention_pattern = _mgdn.get_linear_attention_pattern(config)
     moe_pattern = (
-        get_moe_layer_pattern(config) if config.num_moe_experts is not None
+        _mgdn.get_moe_layer_pattern(config) if config.num_moe_experts is not None
         else [0] * config.num_layers
     )
-    gdn = get_gdn_module_spec(te)
-    attention = _attention_module_spec(te, bool(config.qk_layernorm))
-    dense_mlp, dense_fused = _mlp_spec(te)
-    moe_mlp = _mlp_spec(te, config, moe=True) if 1 in moe_pattern else None
-
-    layer_specs = []
-    for i in range(config.num_layers):
-        mixer = gdn if attention_pattern[i] == 1 else attention
-        mlp, fused = moe_mlp if moe_pattern[i] == 1 else (dense_mlp, dense_fused)
-        layer_specs.append(_layer_spec(te, mixer, mlp, fused))
+    common = dict(
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        use_kitchen=config.use_kitchen,
+        use_kitchen_attention=config.use_kitchen_attention,
+        kitchen_attention_backend=config.kitchen_attention_backend,
+    )
+    gdn = _megatron_local_gdn_module_spec()
+    layers = {}  # (moe, gdn) -> layer spec, one object per kind as in megatron's builder
+    for moe in sorted(set(moe_pattern)):
+        attention_layer = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts if moe else None,
+            moe_grouped_gemm=config.moe_grouped_gemm if moe else False,
+            **common,
+        )
+        layers[moe, 0] = attention_layer
+        layers[moe, 1] = _with_gdn_mixer(attention_layer, gdn)
+    layer_specs = [layers[moe_pattern[i], attention_pattern[i]] for i in range(config.num_layers)]
 
     if config.pipeline_model_parallel_layout is not None:
-        from megatron.core.transformer.enums import LayerType
-
         local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
             layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
         )
@@ -235,5 +458,5 @@ def get_gdn_hybrid_block_spec(
         count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         local_ids = range(offset, offset + count)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_specs[i] for i in local_ids], layer_norm=_norm(te)
+        layer_specs=[layer_specs[i] for i in local_ids], layer_norm=LocalNorm
     )

@@ -18,7 +18,9 @@ Both paths (flag on and off) also get:
   * the tensor-parallel fix of the output-norm weight gradient (see :func:`mark_tp_partial_grad`
     and docs/integration.md): each TP rank's dW covers only its heads, and the stock
     ``finalize_model_grads`` now turns the partials into the full TP=1 gradient on every rank,
-    with sequence parallelism on or off.
+    with sequence parallelism on or off;
+  * ``gdn_norm_out`` selective recompute without Transformer Engine (see
+    :attr:`GatedDeltaNet.norm_out_checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as _MegatronGatedDeltaNet
+from megatron.core.tensor_parallel import random as _tensor_parallel_random
 from megatron.core.transformer.spec_utils import build_module
 
 from core.fusions.fused_gated_norm import (
@@ -36,7 +39,7 @@ from core.fusions.fused_gated_norm import (
     gate_activation_name,
     validate_gated_norm,
 )
-from core.transformer.transformer_config import gdn_out_norm_zero_centered
+from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
 
 # Attribute holding the gradient hook of mark_tp_partial_grad on the parameter it scales.
 TP_PARTIAL_GRAD_HOOK_ATTR = "_gdn_tp_partial_grad_hook"
@@ -106,8 +109,9 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
     gate to the fused kernel. Constructor arguments are megatron's."""
 
     def __init__(self, config, submodules, *args, **kwargs):
+        validate_gdn_config(config)  # configs of other classes may carry the fields as attributes
         super().__init__(config, submodules, *args, **kwargs)
-        self.fused_gated_norm = bool(getattr(config, "fused_gated_norm", False))
+        self.fused_gated_norm = getattr(config, "fused_gated_norm", False)
         self.out_norm_zero_centered = gdn_out_norm_zero_centered(config)
         if self.out_norm_zero_centered != bool(config.layernorm_zero_centered_gamma):
             # The norm builders (TENorm, RMSNorm) read the global flag: give them a config copy.
@@ -132,6 +136,29 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         weight = getattr(self.out_norm, "weight", None)
         if isinstance(weight, torch.nn.Parameter):
             mark_tp_partial_grad(weight, self.tp_size)
+
+    @property
+    def norm_out_checkpoint(self):
+        """megatron's ``CheckpointWithoutOutput`` of the ``gdn_norm_out`` selective recompute
+        (None until the first such forward), set by megatron's forward before each use; the
+        setter turns its fp8 handling off when Transformer Engine is absent.
+
+        megatron-core 0.19 creates it as ``CheckpointWithoutOutput()`` (fp8=False), whose
+        ``__init__`` sets ``self.fp8 = fp8 is not None`` -- True -- and whose forward then asks
+        TE's ``FP8GlobalStateManager`` whether fp8 is on: without TE that is a NameError, flag on
+        or off, on any device. Without TE fp8 cannot be on, so False is the exact value. Only the
+        checkpoint of this layer is touched (megatron's class and its other users are not); with
+        TE, nothing changes."""
+        try:
+            return self.__dict__["_norm_out_checkpoint"]
+        except KeyError:
+            raise AttributeError("norm_out_checkpoint") from None
+
+    @norm_out_checkpoint.setter
+    def norm_out_checkpoint(self, checkpoint) -> None:
+        if checkpoint is not None and not _tensor_parallel_random.HAVE_TE:
+            checkpoint.fp8 = False
+        self.__dict__["_norm_out_checkpoint"] = checkpoint
 
     def _check_tp_partial_grad(self) -> None:
         weight = getattr(self.out_norm, "weight", None)

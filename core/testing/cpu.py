@@ -24,13 +24,13 @@ Layer level (``install_cpu_shims()``), all idempotent:
   * The "CUDA" RNG state of ``megatron.core.tensor_parallel.random`` is mapped to the CPU
     generator (get/set state, ``CudaRNGStatesTracker.add``); the tracker's "CPU RNG state
     changed" warning, always true in that mapping, is filtered.
-  * ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (True) and then
-    needs Transformer Engine; without TE the fp8 flag is forced off
-    (:func:`patch_checkpoint_without_output_fp8`, also useful on a GPU without TE).
   * ``CheckpointWithoutOutput``'s zero-copy share-storage helper compiles a C++ extension
     (~20 s); replaced by a storage copy with the same observable result.
   * Triton's autotuner benchmarks through the GPU driver; on the CPU every config gets the
     same time, so the first config is picked.
+
+(``gdn_norm_out`` selective recompute without Transformer Engine needs no shim: the library's
+``core.ssm.GatedDeltaNet`` turns its checkpoint's fp8 handling off itself.)
 
 Training level (``install_cpu_shims(training=True)``, or :func:`install_cpu_training_shims`
 after the layer-level shims). A full training step goes through megatron code that hard-codes
@@ -110,26 +110,6 @@ def _share_storage_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.untyped_storage().copy_(src.untyped_storage())
 
 
-def patch_checkpoint_without_output_fp8() -> None:
-    """Make ``CheckpointWithoutOutput(fp8=False)`` mean no fp8 when Transformer Engine is absent.
-
-    megatron-core 0.19 sets ``self.fp8 = fp8 is not None`` (True for the default False) and the
-    fp8 branch calls Transformer Engine; without TE, ``gdn_norm_out`` recompute raises a
-    NameError. Safe on a GPU too; a no-op when TE is installed."""
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if mrandom.HAVE_TE or getattr(mrandom.CheckpointWithoutOutput, "_cpu_shim", False):
-        return
-    orig_init = mrandom.CheckpointWithoutOutput.__init__
-
-    def __init__(self, fp8=False):
-        orig_init(self, fp8)
-        self.fp8 = False
-
-    mrandom.CheckpointWithoutOutput.__init__ = __init__
-    mrandom.CheckpointWithoutOutput._cpu_shim = True
-
-
 def _unwrap_compiled(cls) -> None:
     for name, value in list(vars(cls).items()):
         orig = getattr(value, "_torchdynamo_orig_callable", None)
@@ -178,7 +158,6 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
         mrandom._set_cuda_rng_state = _set_cpu_rng_state
         mrandom.CudaRNGStatesTracker.add = _tracker_add_cpu
         logging.getLogger(mrandom.__name__).addFilter(_DropCpuRngWarning())
-    patch_checkpoint_without_output_fp8()
     if share_storage_copy:
         mrandom._get_share_storage = lambda: _share_storage_copy
 

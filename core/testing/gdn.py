@@ -101,26 +101,26 @@ def _reseed(seed: Optional[int]) -> None:
 
 
 def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
-    """core.ssm.GatedDeltaNet from ``get_gdn_module_spec(use_te)``. ``seed`` reseeds megatron's
-    RNG tracker first, so two builds with the same config get the same weights."""
+    """core.ssm.GatedDeltaNet from ``get_gdn_module_spec(use_te, config)``. ``seed`` reseeds
+    megatron's RNG tracker first, so two builds with the same config get the same weights."""
     from megatron.core.transformer.spec_utils import build_module
 
     from core.models.gdn_specs import get_gdn_module_spec
 
     _reseed(seed)
     return build_module(
-        get_gdn_module_spec(use_te), config=config, layer_number=1, pg_collection=_pg_collection()
+        get_gdn_module_spec(use_te, config), config=config, layer_number=1, pg_collection=_pg_collection()
     )
 
 
 def build_gdn_layer(config, use_te: Optional[bool] = False, seed: Optional[int] = 1234):
-    """TransformerLayer from ``get_gdn_layer_spec(use_te)`` (input norm, GDN, MLP)."""
+    """TransformerLayer from ``get_gdn_layer_spec(use_te, config)`` (input norm, GDN, MLP)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from core.models.gdn_specs import get_gdn_layer_spec
 
     _reseed(seed)
-    return build_module(get_gdn_layer_spec(use_te), config=config, layer_number=1)
+    return build_module(get_gdn_layer_spec(use_te, config), config=config, layer_number=1)
 
 
 def randomize_norm_weights(module: torch.nn.Module, seed: int = 7) -> None:

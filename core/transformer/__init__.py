@@ -2,6 +2,16 @@
 Transformer-Engine-free RMSNorm."""
 
 from core.transformer.rms_norm import LocalNorm, RMSNorm
-from core.transformer.transformer_config import TransformerConfig, gdn_out_norm_zero_centered
+from core.transformer.transformer_config import (
+    TransformerConfig,
+    gdn_out_norm_zero_centered,
+    validate_gdn_config,
+)
 
-__all__ = ["LocalNorm", "RMSNorm", "TransformerConfig", "gdn_out_norm_zero_centered"]
+__all__ = [
+    "LocalNorm",
+    "RMSNorm",
+    "TransformerConfig",
+    "gdn_out_norm_zero_centered",
+    "validate_gdn_config",
+]

@@ -28,9 +28,11 @@ class TransformerConfig(_MegatronTransformerConfig):
     """Compute the Gated DeltaNet output norm and its gate, ``out_proj``'s input
     ``round(round(rms_norm(x) * w) * act(gate))``, in one Triton kernel per direction
     (``core.fusions.fused_gated_norm``) instead of megatron's norm + gate + transpose copy. Takes
-    effect in every ``core.ssm.gated_delta_net.GatedDeltaNet`` (the spec functions of
-    ``core.models.gdn_specs`` build it; a HybridModel's 'G' layers take it when their spec names
-    this class, with experimental_attention_variant left at None). Requires
+    effect in every ``core.ssm.gated_delta_net.GatedDeltaNet`` and nowhere else: the spec
+    functions of ``core.models.gdn_specs`` build it, ``core.models.use_fused_gdn(spec)`` puts it
+    into any megatron spec (e.g. the hybrid stack spec, whose 'G' layers leave
+    experimental_attention_variant at None), and ``core.models.assert_fused_gdn(model)`` names
+    the layers of a built model that hold megatron's class instead. Requires
     normalization='RMSNorm' and activation_func (the GDN gate activation, which megatron also
     applies after the short convolution) F.silu, or torch.sigmoid with deterministic_mode (outside
     deterministic mode megatron's convolution kernel takes silu only). On megatron's command line
@@ -51,38 +53,45 @@ class TransformerConfig(_MegatronTransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.fused_gated_norm, bool):
-            raise ValueError(
-                f"fused_gated_norm must be True or False, got {self.fused_gated_norm!r}"
-            )
-        if not (self.gdn_out_norm_zero_centered_gamma is None
-                or isinstance(self.gdn_out_norm_zero_centered_gamma, bool)):
-            raise ValueError(
-                "gdn_out_norm_zero_centered_gamma must be None (follow "
-                "layernorm_zero_centered_gamma), True or False, got "
-                f"{self.gdn_out_norm_zero_centered_gamma!r}"
-            )
-        if not self.fused_gated_norm:
-            return
-        if self.normalization != "RMSNorm":
-            raise ValueError(
-                "fused_gated_norm requires normalization='RMSNorm' (the kernel implements "
-                f"RMSNorm only), got {self.normalization!r}"
-            )
-        activation = gate_activation_name(self.activation_func)
-        if activation is None:
-            name = getattr(self.activation_func, "__name__", repr(self.activation_func))
-            raise ValueError(
-                "fused_gated_norm requires activation_func (the GDN gate activation) to be one of "
-                f"the kernel's {SUPPORTED_ACTIVATIONS} (torch.nn.functional.silu / torch.sigmoid), "
-                f"got {name}"
-            )
-        if activation == "sigmoid" and not self.deterministic_mode:
-            raise ValueError(
-                "fused_gated_norm with a sigmoid gate requires deterministic_mode=True: megatron's "
-                "GatedDeltaNet applies activation_func after its short convolution too, and outside "
-                "deterministic mode that convolution (FLA's causal_conv1d) takes silu only"
-            )
+        validate_gdn_config(self)
+
+
+def validate_gdn_config(config) -> None:
+    """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
+    ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
+    another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
+    provider -- is checked too). A config without the fields passes."""
+    fused = getattr(config, "fused_gated_norm", False)
+    if not isinstance(fused, bool):
+        raise ValueError(f"fused_gated_norm must be True or False, got {fused!r}")
+    zero_centered = getattr(config, "gdn_out_norm_zero_centered_gamma", None)
+    if zero_centered is not None and not isinstance(zero_centered, bool):
+        raise ValueError(
+            "gdn_out_norm_zero_centered_gamma must be None (follow "
+            "layernorm_zero_centered_gamma), True or False, got "
+            f"{zero_centered!r}"
+        )
+    if not fused:
+        return
+    if config.normalization != "RMSNorm":
+        raise ValueError(
+            "fused_gated_norm requires normalization='RMSNorm' (the kernel implements "
+            f"RMSNorm only), got {config.normalization!r}"
+        )
+    activation = gate_activation_name(config.activation_func)
+    if activation is None:
+        name = getattr(config.activation_func, "__name__", repr(config.activation_func))
+        raise ValueError(
+            "fused_gated_norm requires activation_func (the GDN gate activation) to be one of "
+            f"the kernel's {SUPPORTED_ACTIVATIONS} (torch.nn.functional.silu / torch.sigmoid), "
+            f"got {name}"
+        )
+    if activation == "sigmoid" and not config.deterministic_mode:
+        raise ValueError(
+            "fused_gated_norm with a sigmoid gate requires deterministic_mode=True: megatron's "
+            "GatedDeltaNet applies activation_func after its short convolution too, and outside "
+            "deterministic mode that convolution (FLA's causal_conv1d) takes silu only"
+        )
 
 
 def gdn_out_norm_zero_centered(config) -> bool:

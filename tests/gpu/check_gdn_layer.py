@@ -71,9 +71,6 @@ else:
         import megatron.core.jit as mjit
 
         mjit.disable_jit_fuser()
-    from core.testing.cpu import patch_checkpoint_without_output_fp8
-
-    patch_checkpoint_without_output_fp8()  # gdn_norm_out recompute without Transformer Engine
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402

@@ -123,3 +123,123 @@ def test_hybrid_block_with_moe_mlps_runs():
     loss = model(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
     loss.mean().backward()
     assert torch.isfinite(loss).all()
+
+
+# --- built on megatron's own spec functions ---------------------------------------------------
+
+
+def test_use_te_is_a_bool_and_agrees_with_transformer_impl():
+    with pytest.raises(TypeError, match="use_te must be None, True or False"):
+        get_gdn_module_spec(use_te="yes")
+    local = gdn_config(transformer_impl="local")
+    with pytest.raises(ValueError, match="use_te=True requires config.transformer_impl"):
+        get_gdn_hybrid_block_spec(local, use_te=True)
+    assert get_gdn_hybrid_block_spec(local).layer_norm is LocalNorm  # auto: megatron-core modules
+
+
+def test_te_specs_are_megatrons_with_our_gdn(monkeypatch):
+    """With Transformer Engine the specs are megatron's own, only the GDN class swapped (built
+    here from megatron's TE builders without TE: the spec objects only)."""
+    from megatron.core.extensions import transformer_engine as te
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
+
+    from core.models import use_fused_gdn
+    from core.testing.specs import compare_gdn_swap, megatron_te_spec_builders
+
+    monkeypatch.setattr(gdn_specs, "HAVE_TE", True)
+    config = gdn_config(num_layers=4, linear_attention_freq=2, num_moe_experts=2,
+                        moe_layer_freq=[0, 1, 0, 1], moe_router_topk=2, moe_ffn_hidden_size=32)
+    with megatron_te_spec_builders():
+        block = get_gdn_hybrid_block_spec(config)
+        megatron_block = mexp.get_transformer_block_with_experimental_attention_variant_spec(config)
+        module = get_gdn_module_spec(config=config)
+        megatron_module = mexp.get_gated_delta_net_module_spec(config)
+        default_module = get_gdn_module_spec(use_te=True)
+        layer = get_gdn_layer_spec(use_te=True)
+    assert compare_gdn_swap(megatron_block, block) == 2
+    assert compare_gdn_swap(megatron_module, module) == 1
+    assert default_module.submodules == module.submodules and default_module.module is GatedDeltaNet
+    assert layer.submodules.self_attention.module is GatedDeltaNet
+    assert layer.submodules.self_attention.submodules.in_proj is te.TELayerNormColumnParallelLinear
+    assert layer.submodules.input_layernorm is IdentityOp  # fused into in_proj, as in megatron
+    assert use_fused_gdn(block) is block
+
+
+def _leaf_objects(node, seen=None):
+    import dataclasses
+    import functools
+
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    yield node
+    if isinstance(node, type):
+        return
+    if dataclasses.is_dataclass(node):
+        children = [getattr(node, f.name) for f in dataclasses.fields(node)]
+    elif isinstance(node, functools.partial):
+        children = [node.func, *node.args, *node.keywords.values()]
+    elif isinstance(node, (list, tuple)):
+        children = list(node)
+    elif isinstance(node, dict):
+        children = list(node.values())
+    else:
+        children = []
+    for child in children:
+        yield from _leaf_objects(child, seen)
+
+
+def test_local_block_is_megatrons_local_layers_with_gdn_mixers():
+    """No TE: every layer is megatron's get_gpt_layer_local_spec (here with qk_l2_norm and MoE
+    from the config), LocalNorm instead of WrappedTorchNorm, and the GDN mixer where the
+    pattern says so."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
+
+    from core.models import replace_modules
+    from core.testing.specs import compare_gdn_swap
+
+    config = gdn_config(num_layers=4, linear_attention_freq=2, qk_l2_norm=True, num_moe_experts=2,
+                        moe_layer_freq=[1, 1, 0, 0], moe_router_topk=2, moe_ffn_hidden_size=32)
+    block = get_gdn_hybrid_block_spec(config)
+    objects = list(_leaf_objects(block))
+    assert WrappedTorchNorm not in objects and LocalNorm in objects
+    for i, moe in ((1, True), (3, False)):  # the attention layers
+        expected = get_gpt_layer_local_spec(
+            num_experts=2 if moe else None, qk_l2_norm=True, normalization="RMSNorm")
+        expected = replace_modules(expected, {WrappedTorchNorm: LocalNorm})
+        assert compare_gdn_swap(expected, block.layer_specs[i]) == 0
+        assert block.layer_specs[i].submodules.self_attention.submodules.q_layernorm is L2Norm
+    for i in (0, 2):  # the GDN layers: same layer, mixer swapped
+        gdn_layer = block.layer_specs[i].submodules
+        attention_layer = block.layer_specs[i + 1].submodules
+        assert gdn_layer.self_attention.module is GatedDeltaNet
+        assert gdn_layer.mlp is attention_layer.mlp
+        assert gdn_layer.input_layernorm is LocalNorm
+
+
+def test_local_gdn_layers_checkpoint_in_the_te_layout():
+    """Sharded keys of the separate input norm of a local GDN layer are those of TE's fused one
+    (self_attention.in_proj.layer_norm_weight), as megatron maps a local attention layer's onto
+    linear_qkv; zero-centred gamma builds (WrappedTorchNorm would refuse it)."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                        layernorm_zero_centered_gamma=True)
+    model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
+                     vocab_size=64, max_sequence_length=16)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 + 2 + 1 + 1 and all(n.zero_centered_gamma for n in norms)
+    assert "decoder.layers.0.input_layernorm.weight" in model.state_dict()
+    from core.testing.specs import checkpoint_keys
+
+    keys = checkpoint_keys(model)
+    assert keys["decoder.layers.0.input_layernorm.weight"] == \
+        "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
+    assert keys["decoder.layers.0.pre_mlp_layernorm.weight"] == \
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert keys["decoder.layers.1.input_layernorm.weight"] == \
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"  # megatron's own map
+    assert keys["decoder.layers.0.self_attention.out_norm.weight"] == \
+        "decoder.layers.0.self_attention.out_norm.weight"

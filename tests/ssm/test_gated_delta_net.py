@@ -338,3 +338,16 @@ def test_zero_centered_mismatch_between_norm_and_config_raises():
     with pytest.raises(ValueError, match="out_norm.zero_centered_gamma=True disagrees"):
         build_module(spec, config=gdn_config(fused_gated_norm=True), layer_number=1,
                      pg_collection=_pg_collection())
+
+
+def test_construction_checks_fields_set_on_any_config():
+    """A config whose fields were set after its own checks ran (a Megatron-Bridge provider, or
+    an attribute assigned later) is checked when the layer is built."""
+    config = gdn_config()
+    config.fused_gated_norm = "yes"
+    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
+        build_gdn_module(config)
+    config.fused_gated_norm = True
+    config.activation_func = F.gelu
+    with pytest.raises(ValueError, match="fused_gated_norm requires activation_func"):
+        build_gdn_module(config)

@@ -105,3 +105,20 @@ def test_recompute_validation_failure_surfaces_in_backward(validate_calls):
             out.backward(dy)
     finally:
         recompute.self_attention.config.normalization = "RMSNorm"
+
+
+def test_recompute_checkpoint_fp8_off_without_te_only_in_our_layer():
+    """megatron's CheckpointWithoutOutput() takes TE's fp8 path (fp8 = True) and raises a
+    NameError without TE. Our layer turns that off for its own checkpoint when TE is absent (the
+    recompute test above runs through it: the CPU shims do not touch the class); megatron's class
+    and every other checkpoint keep megatron's behaviour."""
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
+    _, recompute = _pair(True)
+    x, dy = _inputs()
+    _, out = _forward(recompute, x)
+    assert recompute.self_attention.norm_out_checkpoint.fp8 is tensor_parallel_random.HAVE_TE
+    out.backward(dy)
+    assert CheckpointWithoutOutput().fp8 is True  # megatron's class: unchanged
+    assert CheckpointWithoutOutput.__init__.__module__ == tensor_parallel_random.__name__

@@ -44,16 +44,9 @@ def test_flag_requires_supported_gate_activation(activation):
         gdn_config(fused_gated_norm=True, activation_func=activation)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, 0])
-def test_zero_centered_override_must_be_bool_or_none(value):
+def test_zero_centered_override_must_be_bool_or_none():
     with pytest.raises(ValueError, match="gdn_out_norm_zero_centered_gamma must be None"):
-        gdn_config(gdn_out_norm_zero_centered_gamma=value)
-
-
-@pytest.mark.parametrize("value", ["false", 1, None])
-def test_flag_must_be_bool(value):
-    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
-        gdn_config(fused_gated_norm=value)
+        gdn_config(gdn_out_norm_zero_centered_gamma="yes")
 
 
 @pytest.mark.parametrize(
@@ -72,3 +65,32 @@ def test_zero_centered_resolution_on_plain_megatron_config():
     config = MegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                             layernorm_zero_centered_gamma=True)
     assert gdn_out_norm_zero_centered(config) is True
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_flag_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
+        gdn_config(fused_gated_norm=value)
+
+
+def test_zero_centered_override_is_not_an_int():
+    with pytest.raises(ValueError, match="gdn_out_norm_zero_centered_gamma must be None"):
+        gdn_config(gdn_out_norm_zero_centered_gamma=0)
+
+
+def test_rules_apply_to_a_config_of_another_class():
+    """A config that only carries the fields as attributes (e.g. a Megatron-Bridge provider, a
+    subclass of megatron's config) gets the same rules, from validate_gdn_config."""
+    from megatron.core.transformer import TransformerConfig as MegatronConfig
+
+    from core.transformer import validate_gdn_config
+
+    config = MegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            normalization="LayerNorm")
+    validate_gdn_config(config)  # no fields: nothing asked
+    config.fused_gated_norm = True
+    with pytest.raises(ValueError, match="fused_gated_norm requires normalization='RMSNorm'"):
+        validate_gdn_config(config)
+    config.fused_gated_norm = "true"
+    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
+        validate_gdn_config(config)

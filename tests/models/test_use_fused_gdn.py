@@ -1,0 +1,189 @@
+"""use_fused_gdn on megatron's own GDN specs (the GPT block spec of the gated_delta_net variant,
+dense and MoE; the hybrid stack spec; lists, tuples, import paths): only the GDN class changes,
+the input is untouched, and the models built from both specs have the same state-dict and
+sharded-state-dict keys. assert_fused_gdn rejects a model that asks for the fusion but holds
+megatron's class."""
+
+from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+
+install_cpu_shims()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp  # noqa: E402
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
+from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from core.models.gdn_specs import assert_fused_gdn, use_fused_gdn  # noqa: E402
+from core.ssm import GatedDeltaNet  # noqa: E402
+from core.testing.gdn import gdn_config  # noqa: E402
+from core.testing.specs import (  # noqa: E402
+    checkpoint_keys,
+    compare_gdn_swap,
+    megatron_te_spec_builders,
+    spec_fingerprint,
+    te_to_local,
+)
+
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_parallel():
+    init_cpu_model_parallel(tp_size=1)
+
+
+def _config(moe: bool = False, **overrides):
+    kwargs = dict(num_layers=4, linear_attention_freq=2, params_dtype=torch.float32)
+    if moe:
+        kwargs.update(num_moe_experts=2, moe_layer_freq=[1, 0, 0, 1], moe_router_topk=2,
+                      moe_ffn_hidden_size=32)
+    kwargs.update(overrides)
+    return gdn_config(**kwargs)
+
+
+def _megatron_block_spec(config):
+    with megatron_te_spec_builders():
+        return mexp.get_transformer_block_with_experimental_attention_variant_spec(config)
+
+
+def _check_swap(spec, expected_swaps):
+    before = spec_fingerprint(spec)
+    fused = use_fused_gdn(spec)
+    assert compare_gdn_swap(spec, fused) == expected_swaps
+    assert spec_fingerprint(spec) == before, "use_fused_gdn modified its input"
+    assert use_fused_gdn(fused) is fused  # nothing left to replace: the same object back
+    return fused
+
+
+# --- spec trees --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpt_block_spec_of_the_gdn_variant(moe):
+    spec = _megatron_block_spec(_config(moe=moe))
+    fused = _check_swap(spec, expected_swaps=2)  # layers 0 and 2 are GDN (freq 2)
+    gdn = [layer.submodules.self_attention for layer in fused.layer_specs]
+    assert gdn[0] is gdn[2], "megatron's shared mixer spec stays shared"
+    assert fused.layer_specs[1] is spec.layer_specs[1]  # attention layers: the same objects
+    if moe:  # the MoE builder of layer 0 is untouched
+        assert fused.layer_specs[0].submodules.mlp.func.__name__ == "MoELayer"
+        assert fused.layer_specs[0].submodules.mlp is spec.layer_specs[0].submodules.mlp
+
+
+def test_layer_spec_list_and_tuple_and_local_backend():
+    config = _config()
+    with megatron_te_spec_builders():
+        layers = mexp.get_transformer_layer_with_experimental_attention_variant_spec(config)
+    fused = _check_swap(layers, expected_swaps=2)
+    assert isinstance(fused, list)
+    assert isinstance(_check_swap(tuple(layers), expected_swaps=2), tuple)
+    from megatron.core.models.backends import LocalSpecProvider
+
+    local = mexp.get_gated_delta_net_module_spec(config, backend=LocalSpecProvider())
+    assert _check_swap(local, expected_swaps=1).module is GatedDeltaNet
+
+
+def test_hybrid_stack_spec():
+    fused = _check_swap(hybrid_stack_spec, expected_swaps=1)
+    assert fused.submodules.gdn_layer.submodules.self_attention.module is GatedDeltaNet
+    for name in ("mamba_layer", "attention_layer", "mlp_layer", "moe_layer", "mtp_block_spec"):
+        assert getattr(fused.submodules, name) is getattr(hybrid_stack_spec.submodules, name)
+
+
+def test_bare_class_import_path_and_foreign_subclass():
+    assert use_fused_gdn(MegatronGDN) is GatedDeltaNet
+    by_path = ModuleSpec(module=("megatron.core.ssm.gated_delta_net", "GatedDeltaNet"))
+    assert use_fused_gdn(by_path).module is GatedDeltaNet
+    other = ModuleSpec(module=("megatron.core.transformer.attention", "SelfAttention"))
+    assert use_fused_gdn(other) is other
+
+    class TheirGDN(MegatronGDN):
+        pass
+
+    theirs = ModuleSpec(module=TheirGDN)
+    assert use_fused_gdn(theirs) is theirs
+
+
+# --- built models: same keys -------------------------------------------------------------------
+
+
+def _keys(model):
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    return state, checkpoint_keys(model)
+
+
+def _gdn_types(model):
+    return [type(m) for m in model.modules() if isinstance(m, MegatronGDN)]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpt_model_keys_unchanged(moe):
+    config = _config(moe=moe)
+    spec = te_to_local(_megatron_block_spec(config))
+    megatron_model = GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                              max_sequence_length=SEQ)
+    ours = GPTModel(config, transformer_layer_spec=use_fused_gdn(spec), vocab_size=VOCAB,
+                    max_sequence_length=SEQ)
+    assert _gdn_types(megatron_model) == [MegatronGDN] * 2
+    assert _gdn_types(ours) == [GatedDeltaNet] * 2
+    if moe:
+        assert type(ours.decoder.layers[0].mlp).__name__ == "MoELayer"
+    state_a, sharded_a = _keys(megatron_model)
+    state_b, sharded_b = _keys(ours)
+    assert state_a == state_b
+    assert sharded_a == sharded_b
+    assert sharded_a["decoder.layers.0.self_attention.out_norm.weight"] == \
+        "decoder.layers.0.self_attention.out_norm.weight"
+
+
+def test_hybrid_model_keys_unchanged():
+    config = _config(num_layers=4, linear_attention_freq=None, experimental_attention_variant=None)
+    spec = te_to_local(hybrid_stack_spec)
+    kwargs = dict(vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="G*G-",
+                  post_process=False)  # the final norm of HybridStack is TENorm, hard-coded
+    megatron_model = HybridModel(config, spec, **kwargs)
+    ours = HybridModel(config, use_fused_gdn(spec), **kwargs)
+    assert _gdn_types(megatron_model) == [MegatronGDN] * 2
+    assert _gdn_types(ours) == [GatedDeltaNet] * 2
+    state_a, sharded_a = _keys(megatron_model)
+    state_b, sharded_b = _keys(ours)
+    assert state_a == state_b
+    assert sharded_a == sharded_b
+
+
+# --- assert_fused_gdn ------------------------------------------------------------------------
+
+
+def _gpt(config, spec):
+    return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def test_assert_fused_gdn_names_megatron_layers():
+    config = _config(fused_gated_norm=True)
+    spec = te_to_local(_megatron_block_spec(config))
+    model = _gpt(config, spec)
+    with pytest.raises(TypeError, match="fused_gated_norm=True") as info:
+        assert_fused_gdn(model)
+    message = str(info.value)
+    assert "decoder.layers.0.self_attention" in message
+    assert "decoder.layers.2.self_attention" in message
+    assert "decoder.layers.1" not in message
+    with pytest.raises(TypeError, match=r"\[1\]\.decoder\.layers\.0\.self_attention"):
+        assert_fused_gdn([_gpt(config, use_fused_gdn(spec)), model])  # model chunks
+    assert_fused_gdn(_gpt(config, use_fused_gdn(spec)))  # ours: passes
+
+
+def test_assert_fused_gdn_zero_centring_override_and_no_op():
+    override = _config(layernorm_zero_centered_gamma=True, gdn_out_norm_zero_centered_gamma=False)
+    spec = te_to_local(_megatron_block_spec(override))
+    with pytest.raises(TypeError, match="gdn_out_norm_zero_centered_gamma=False"):
+        assert_fused_gdn(_gpt(override, spec))
+    plain = _config()
+    assert_fused_gdn(_gpt(plain, te_to_local(_megatron_block_spec(plain))))  # nothing asked
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        assert_fused_gdn("model")

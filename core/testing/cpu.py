@@ -3,13 +3,15 @@ train a GatedDeltaNet model on a machine without CUDA lives in this one module.
 
 Test-side only: the library (``core.*`` outside ``core.testing``) never imports this module
 (``grep -rn "core.testing" core/ --include=*.py | grep -v "^core/testing"`` finds nothing).
-Used by the tests and by the CPU pretraining example (examples/pretrain_gdn.py). Everything
+Used by the tests and by the CPU runs of the examples (examples/pretrain_gdn.py, and
+examples/pretrain_gdn_megatron.py, megatron's own training loop). Everything
 here patches megatron-core, torch or triton in-process; nothing is written to disk except a
 file-based rendezvous.
 
     from core.testing.cpu import install_cpu_shims, init_cpu_model_parallel
     install_cpu_shims()                       # layer level: before importing megatron's GDN
     install_cpu_shims(training=True)          # + DDP / optimizer / grad clipping / attention
+    install_cpu_shims(training_loop=True)     # + megatron.training.pretrain (implies training)
     init_cpu_model_parallel(tp_size=1)        # gloo group + parallel_state + RNG tracker
 
     with cpu_tensor_types():                  # while building and stepping megatron's optimizer
@@ -47,6 +49,35 @@ megatron's local attention), waits on CUDA streams, and checks
     steps) in which ``Tensor.type()`` of a CPU tensor reports the CUDA type name, so megatron's
     dtype dispatch picks the same branch as on a GPU.
 
+Training-loop level (``install_cpu_shims(training_loop=True)``): megatron.training's
+``pretrain`` (initialize, model and optimizer setup, data, ``train_step``, logging, checkpoint
+save and load) on gloo. Where megatron-core 0.19.2's loop asks for CUDA (line numbers of the
+wheel), and what stands in:
+
+  * ``training/initialize.py`` ``initialize_megatron`` l.66 ``assert torch.cuda.is_available()``
+    (``pretrain`` does not pass ``allow_no_cuda``): ``megatron.training.training`` calls it with
+    ``allow_no_cuda=True``, megatron's own switch for CPU use.
+  * ``_initialize_distributed`` l.270/358 and ``_set_random_seed`` l.447 set up model
+    parallelism and the RNG tracker only if ``torch.cuda.device_count() > 0``: the proxy's
+    ``torch.cuda`` reports one device (the CPU) and ``set_device`` does nothing.
+  * ``set_jit_fusion_options`` -> ``_warmup_jit_function`` l.508 (``torch.rand(device="cuda")``)
+    warms up torch.compile'd fusions: skipped (the jit fuser is off), and module-level functions
+    compiled before the fuser was turned off go back to eager.
+  * ``training/arguments.py`` ``validate_args`` l.1414 reads the GPU architecture at TP > 1
+    (``torch.cuda.get_device_properties``): answered 9 (Hopper, the H200).
+  * ``core/timers.py`` ``Timer.start`` l.152 (``torch.cuda.synchronize``),
+    ``training/training.py`` ``pretrain`` l.1131/1137 (``device='cuda'`` start-time tensors),
+    ``training/models/dist_utils.py`` ``_ddp_wrap`` l.303 (``torch.cuda.Stream``),
+    ``core/rerun_state_machine.py`` ``_save_state`` l.979 and ``training/checkpointing.py``
+    ``get_rng_state`` l.417 (``torch.cuda.get_rng_state``, the CPU generator here), the
+    ``torch_dist`` checkpoint writer (``filesystem_async.preload_tensors`` l.248, ...): the
+    ``torch`` proxy of the training level in those modules (:data:`TRAINING_LOOP_MODULES`).
+  * ``core/optimizer/clip_grads.py`` ``clip_grad_by_total_norm_fp32`` l.174
+    (``param.grad.type() == 'torch.cuda.FloatTensor'``): megatron's optimizer is built and
+    stepped under :func:`cpu_tensor_types`.
+  * ``dist_utils.unimodal_build_distributed_models`` l.174 moves the model with
+    ``module.cuda()`` unless ``--use-cpu-initialization``: the CPU runs pass that flag.
+
 One speed stand-in, CPU only, not a correctness shim: megatron's GatedDeltaNet normalises
 query/key with FLA's Triton ``l2norm``, which in the interpreter costs ~25 s per training step
 at the example's default CPU size (one Python-emulated program per 8 rows).
@@ -60,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import logging
 import os
@@ -185,7 +217,8 @@ TRAINING_MODULES = (
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
 )
-# megatron.training modules with `device='cuda'` literals or CUDA stream calls on pretrain's path.
+# Modules of megatron.training's loop (and its checkpointing) with `device='cuda'` literals, CUDA
+# stream / synchronisation or CUDA RNG calls on pretrain's path.
 TRAINING_LOOP_MODULES = (
     "megatron.training.training",
     "megatron.training.initialize",
@@ -305,7 +338,6 @@ def install_cpu_training_shims() -> None:
 def _optimizer_with_cuda_type_names(get_megatron_optimizer):
     """megatron's get_megatron_optimizer built, and its step run, under :func:`cpu_tensor_types`
     (what the examples do by hand around their own optimizer calls)."""
-    import functools
 
     @functools.wraps(get_megatron_optimizer)
     def build(*args, **kwargs):
@@ -325,13 +357,13 @@ def _optimizer_with_cuda_type_names(get_megatron_optimizer):
 
 
 def install_cpu_training_loop_shims() -> None:
-    """The training-loop shims (module docstring): megatron.training's pretrain on the CPU."""
+    """The training-loop shims of the module docstring (installs the training-level ones first):
+    megatron.training's ``pretrain`` on the CPU. Idempotent; a no-op when CUDA is available.
+    Call before ``pretrain`` (megatron.training is imported here)."""
     global _TRAINING_LOOP_INSTALLED
     if _TRAINING_LOOP_INSTALLED or torch.cuda.is_available():
         return
     install_cpu_training_shims()
-    import functools
-
     training = importlib.import_module("megatron.training.training")
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)

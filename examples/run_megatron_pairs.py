@@ -2,7 +2,7 @@
 """The fused GDN output norm through megatron's training loop: flag off vs on, and checkpoints
 that switch it, with examples/pretrain_gdn_megatron.py.
 
-    python examples/run_megatron_pairs.py                  # 2 GPUs: ~4-6 min; no GPU: tiny, gloo
+    python examples/run_megatron_pairs.py                  # 2 GPUs; without a GPU: tiny, gloo
 
 Launches (each a fresh ``torchrun --standalone``, same seed, ``--deterministic-mode``, bf16 on
 a GPU, the indexed dataset of examples/data written first):
@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join("runs", "megatron_pairs"),
                    help="output folder (data, checkpoints, logs, summary.json)")
     p.add_argument("--steps", type=int, default=None,
-                   help="training iterations per run (default: GPU 80, CPU 4)")
+                   help="training iterations per run (default: GPU 60, CPU 4)")
     p.add_argument("--save-at", type=int, default=None,
                    help="iteration of the checkpoint the resume runs load (default: steps / 2)")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2],
@@ -95,10 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-resume", action="store_true", help="skip the two resume runs")
     p.add_argument("--ckpt-format", choices=["auto", "torch_dist", "torch"], default="auto")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per launch")
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 80 if HAS_CUDA else 4
+        args.steps = 60 if HAS_CUDA else 4
     if args.save_at is None:
         args.save_at = max(1, args.steps // 2)
     if not 1 <= args.save_at < args.steps:

@@ -1,8 +1,21 @@
-"""Without a GPU, every Triton kernel runs through the interpreter: set it before triton loads."""
+"""Without a GPU, every Triton kernel runs through the interpreter: set it before triton loads.
+Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped."""
 
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` "
+                                   "on a machine with one (tests/gpu/README.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,36 +1,33 @@
-"""Experiment: how close to the copy ceiling can the forward get on contiguous inputs?
+"""Forward experiment: the training forward (``forward_impl``) next to a contiguous-only copy
+of its arithmetic with one addressing or cache choice switched at a time: a grid-stride loop or
+one block per program, 64-bit offsets per element or one 64-bit base per block with 32-bit
+offsets inside, ``evict_first`` loads, ``.cs`` (streaming) stores. Every variant is checked bit
+for bit against ours and timed (do_bench median) with the % of the copy ceiling measured in the
+same run. It changes nothing in the product; docs/design.md says what the shipped kernel took
+from it.
 
-docs/benchmarks.md notes that our forward reaches 86-90 % of the copy ceiling at >= 512k rows
-while torch.compile and FLA reach 94-99 %, and names the suspects: 64-bit strided row offsets,
-the grid-stride loop, cache policy. This script times, in one process on the GPU, our forward
-(``forward_impl``) next to a contiguous-only copy of its arithmetic with those suspects switched
-one at a time, checks every variant's output bit for bit against ours, and prints a table with
-% of the copy ceiling measured in the same run. It changes nothing in the product; a winning
-variant is ported to ``gated_norm_fwd`` afterwards.
-
-    python tools/forward_variants.py [--out DIR]
+    python tools/forward_variants.py [--out DIR]      # -> DIR/forward_variants.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmark import bench, bytes_moved, copy_ceiling  # noqa: E402  (tools/benchmark.py)
+from tools.bench_common import (bench, bytes_moved, copy_ceiling, environment,  # noqa: E402
+                                pct_of_ceiling, require_cuda)
 
 # The module, not the function of the same name that core.fusions re-exports.
-_fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as _fgn  # noqa: E402
 
 
 @triton.jit
@@ -86,6 +83,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/forward_variants")
     args = parser.parse_args()
+    require_cuda("forward_variants.py")
     os.makedirs(args.out, exist_ok=True)
     ceiling = copy_ceiling()["GBps"]
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: copy ceiling {ceiling:.0f} GB/s")
@@ -100,7 +98,7 @@ def main():
         ref, _ = _fgn.forward_impl(x, g, w, eps)
         us = bench(lambda: _fgn.forward_impl(x, g, w, eps), rep=200)
         row = {"rows": rows, "D": dim, "variant": "ours (forward_impl)", "us": us,
-               "pct": 100 * nbytes / us / 1e3 / ceiling, "bitwise": 1.0}
+               "pct": pct_of_ceiling(nbytes, us, ceiling), "bitwise": 1.0}
         results.append(row)
         print(f"{rows:>8} x {dim}: {row['variant']:44s} {us:8.1f} us {row['pct']:5.1f} %")
         out = torch.empty_like(x)
@@ -122,12 +120,12 @@ def main():
             name = (f"bt={bt} w={warps}" + (" loop" if loop else "") + (" off32" if off32 else "")
                     + (" evict_first" if evict else "") + (" .cs store" if cs else ""))
             row = {"rows": rows, "D": dim, "variant": name, "us": us,
-                   "pct": 100 * nbytes / us / 1e3 / ceiling, "bitwise": bitwise}
+                   "pct": pct_of_ceiling(nbytes, us, ceiling), "bitwise": bitwise}
             results.append(row)
             print(f"{rows:>8} x {dim}: {name:44s} {us:8.1f} us {row['pct']:5.1f} % bitwise {bitwise:.6f}",
                   flush=True)
     with open(os.path.join(args.out, "forward_variants.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+        json.dump({"env": environment(), "device": torch.cuda.get_device_name(), "triton": triton.__version__,
                    "ceiling_GBps": ceiling, "results": results}, f, indent=1)
 
 

@@ -8,7 +8,7 @@ Each ``--bt``/``--warps`` pair is one launch configuration; the arguments are ex
 ``forward_impl`` / ``backward_impl`` pass (their launch is recorded, not run). ``row_layout`` is
 the reduction operand's layout along the row (sizePerThread, threadsPerWarp, warpsPerCTA of the
 last axis): it decides the order of a row's fp32 sum of squares, so two configurations with the
-same row layout give every row the same bits (docs/benchmarks.md, notes). ``--unaligned`` offsets
+same row layout give every row the same bits (docs/design.md, Launch choices). ``--unaligned`` offsets
 every [B, S, H, D] tensor by one element (no 16-byte alignment). Uses Triton internals
 (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -37,7 +36,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

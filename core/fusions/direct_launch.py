@@ -1,30 +1,112 @@
 """Launch a Triton kernel without ``JITFunction.run`` on repeated calls.
 
 ``kernel[grid](...)`` binds every argument, derives Triton's specialisation key and looks the
-compiled kernel up on every call: 21-38 us of host time per launch on the lent H200 VM. The
+compiled kernel up on every call: 21-38 us of host time per launch (H200 host, torch 2.11, triton
+3.6, ``python tools/host_cost.py``). The
 fused norm launches in every forward and backward of every GDN layer, so ``DirectLauncher``
 keeps the compiled kernel per *launch key* and calls it directly: 10-16 us, within 0.2-2.9 us of a
-bare call of the compiled kernel (docs/benchmarks.md, host cost).
+bare call of the compiled kernel (docs/design.md, launch choices).
 
 The launch key must determine Triton's specialisation of every argument. It is built from the
-scalar arguments (every int, stride tuple, flag and constexpr by value, except the kernel's
-``do_not_specialize`` parameters, which Triton types by integer width alone: i32, i64 or u64),
+scalar arguments (every int, float, stride tuple, flag and constexpr by value, except the
+kernel's ``do_not_specialize`` parameters, which Triton types by integer width alone: i32, i64 or
+u64; a float is fp32 to Triton whatever its value, so a new value is a new launch key but never
+a new compiled kernel),
 the launch options, and per tensor its dtype and whether its address is 16-byte aligned: that
 is all ``JITFunction.run`` specialises on, so equal keys mean the same compiled kernel. A new
 token count (a ``do_not_specialize`` argument) keeps the key, so packed sequences of varying
 length take the direct path in every step. A new key goes through ``JITFunction.run`` once, which
 compiles only if Triton's own key is new. Under the Triton interpreter there is no compiled
 kernel: every call takes the normal path.
+
+The direct call is Triton's private launcher ABI (the call ``JITFunction.run`` ends with), as
+written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6 and 3.7). Each launcher checks
+its first compiled kernel against it: the Triton version, and the parameters of the compiled
+kernel's launcher and ``launch_metadata``. On a mismatch it launches through ``kernel[grid]``
+from then on, and the process gets one warning. ``GDN_FUSED_NORM_DIRECT_LAUNCH=0`` in the
+environment (read when a launcher is made, at import) turns the direct path off without one.
+tests/fusions/test_direct_launch.py fails when the installed Triton's ABI moves.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
+from typing import Optional
+
+import triton
 from triton import knobs
 from triton.runtime import driver
 
 # Keys differ by layout, dtype, alignment and head shape, not by token count; the bound only
 # guards against a caller that keeps producing new layouts.
 MAX_KEYS = 1024
+
+ENV_SWITCH = "GDN_FUSED_NORM_DIRECT_LAUNCH"
+TRITON_VERSION = triton.__version__
+
+# Parameters of a compiled kernel's launcher (``CompiledKernel.run``), by Triton major.minor.
+# JITFunction.run calls it the same way in both: (grid x, y, z, stream, function, packed
+# metadata, launch metadata, enter hook, exit hook, *kernel arguments); 3.6 passes everything
+# after the function through *args, 3.7 names it.
+LAUNCHER_PARAMETERS = {
+    "3.6": ("gridX", "gridY", "gridZ", "stream", "function", "*args"),
+    "3.7": ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+            "launch_enter_hook", "launch_exit_hook", "*args"),
+}
+LAUNCH_METADATA_PARAMETERS = ("grid", "stream", "*args")
+
+_warned = False  # one fallback warning per process
+
+
+def direct_launch_switch() -> bool:
+    """``GDN_FUSED_NORM_DIRECT_LAUNCH``: "1" (the default) or "0" (off); anything else is a
+    ValueError rather than a guess."""
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH} must be 0 (direct launch off) or 1 (on, the default), "
+                         f"got {value!r}")
+    return value == "1"
+
+
+def abi_mismatch(compiled) -> Optional[str]:
+    """Why the direct call does not fit ``compiled`` (a compiled kernel of the running Triton),
+    or None when it does."""
+    version = ".".join(TRITON_VERSION.split(".")[:2])
+    expected = LAUNCHER_PARAMETERS.get(version)
+    if expected is None:
+        return (f"Triton {TRITON_VERSION} is not a version its launcher ABI is known for "
+                f"({', '.join(LAUNCHER_PARAMETERS)})")
+    try:
+        launcher = parameter_names(compiled.run)
+        metadata = parameter_names(compiled.launch_metadata)
+        compiled.function, compiled.packed_metadata  # noqa: B018 (read, as the direct call does)
+    except (AttributeError, TypeError, ValueError) as e:
+        return f"the compiled kernel lacks what the direct call uses ({type(e).__name__}: {e})"
+    if launcher != expected:
+        return f"the compiled kernel's launcher takes {launcher}, not {expected}"
+    if metadata != LAUNCH_METADATA_PARAMETERS:
+        return f"launch_metadata takes {metadata}, not {LAUNCH_METADATA_PARAMETERS}"
+    return None
+
+
+def parameter_names(fn) -> tuple[str, ...]:
+    """``fn``'s parameter names in order, ``*name`` for a variadic one (``**`` for keywords)."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(stars.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values())
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"DirectLauncher: {reason}; launching through kernel[grid](...) instead (same "
+            f"results, ~10-20 us more host time per launch). {ENV_SWITCH}=0 selects that path "
+            "without this warning.",
+            RuntimeWarning, stacklevel=3,
+        )
 
 
 class DirectLauncher:
@@ -41,6 +123,8 @@ class DirectLauncher:
         self.unspecialised = tuple(p.num for p in getattr(kernel, "params", ())
                                    if getattr(p, "do_not_specialize", False))
         self.direct_calls = 0  # observable by tests: how many launches skipped JITFunction.run
+        # None until the first compiled kernel is checked (abi_mismatch), then True or False.
+        self.direct = None if direct_launch_switch() else False
 
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
@@ -52,8 +136,14 @@ class DirectLauncher:
                 self._run(compiled, grid, device, tensors, pointers, scalars)
                 return
         compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=num_warps)
-        if compiled is None or not hasattr(compiled, "packed_metadata"):
-            return  # the interpreter ran it: nothing compiled to keep
+        if compiled is None or self.direct is False:
+            return  # the interpreter ran it (nothing compiled to keep), or direct launch is off
+        if self.direct is None:
+            reason = abi_mismatch(compiled)
+            self.direct = reason is None
+            if reason is not None:
+                _warn_once(reason)
+                return
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         device = driver.active.get_current_device()
@@ -75,10 +165,10 @@ class DirectLauncher:
         """The call JITFunction.run makes once it has found the kernel, with two savings:
         - pointers go in as integers: the launcher then skips its per-tensor driver query
           (cuPointerGetAttribute), which only checks that the address is device memory; the
-          callers' validation requires CUDA tensors (check_gated_norm_inputs), and the first
+          callers' validation requires CUDA tensors (fused_gated_norm.check_operands), and the first
           launch of every key went through JITFunction.run, which made the check itself;
-        - with no launch hook registered (Triton >= 3.7 keeps empty hook chains and calls them
-          on every launch), neither the hooks nor their metadata are built or called.
+        - with no launch hook registered (Triton 3.6 and 3.7 keep empty hook chains and call
+          them on every launch), neither the hooks nor their metadata are built or called.
         """
         stream = driver.active.get_current_stream(device)
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -92,7 +182,8 @@ class DirectLauncher:
 
 
 def _has_hooks(hook) -> bool:
-    """A launch hook (Triton <= 3.6) or a chain of them (>= 3.7: ``.calls``) that calls anything."""
+    """A launch hook (a plain callable) or a chain of them (``.calls``, Triton 3.6 and 3.7) that
+    calls anything."""
     return hook is not None and bool(getattr(hook, "calls", True))
 
 

@@ -34,8 +34,10 @@ SUPPORTED_ACTIVATIONS = ("silu", "sigmoid")
 OUT_LAYOUTS = ("bshd", "sbhd")
 
 
-# Triton compiles for the GPU; on the CPU its interpreter runs the kernels.
-CPU_RULE = "(CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1)"
+# Triton compiles for the GPU; on the CPU its interpreter runs the kernels. Each takes its own
+# device's tensors only (a meta tensor has no memory for either).
+DEVICE_RULE = ("(compiled kernels take CUDA tensors; the Triton interpreter, TRITON_INTERPRET=1, "
+               "takes CPU tensors)")
 
 
 # Kernel arguments that change with the token count (packed sequences of varying total length).
@@ -263,19 +265,22 @@ def gated_norm_bwd(
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
-def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr):
-    """``dweight = round(sum_p dw_partial[p])``: program c sums columns [c * BLOCK_COLS, ...) of
-    the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the same bits every run) and
-    rounds once to the weight's dtype. BLOCK_P covers the most partials any launch can have, so
-    the token count never changes it. torch's ``sum(0).to()`` took 9.4 us (H200, two kernels):
-    a third of the whole backward at 32k rows."""
+def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """``dweight = round(WEIGHT_GRAD_SCALE * sum_p dw_partial[p])``: program c sums columns
+    [c * BLOCK_COLS, ...) of the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the
+    same bits every run), scales the fp32 sum and rounds once to the weight's dtype, so a power
+    of two scale is exact (and 1.0 changes no bit). WEIGHT_GRAD_SCALE is a runtime fp32 argument
+    (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
+    most partials any launch can have, so the token count never changes it. torch's
+    ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows."""
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     parts = tl.arange(0, BLOCK_P)
     mask = (parts[:, None] < PROGRAMS) & (cols[None, :] < D)
     tile = tl.load(dw_partial + parts[:, None] * D + cols[None, :], mask=mask, other=0.0)
     W_DTYPE: tl.constexpr = dweight.dtype.element_ty
-    tl.store(dweight + cols, _round_to(tl.sum(tile, axis=0), W_DTYPE).to(W_DTYPE), mask=cols < D)
+    dw = tl.sum(tile, axis=0) * WEIGHT_GRAD_SCALE
+    tl.store(dweight + cols, _round_to(dw, W_DTYPE).to(W_DTYPE), mask=cols < D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,13 +288,16 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, D: tl.constexpr, BLOCK_P: t
 # ----------------------------------------------------------------------------------------------
 
 # Repeated calls skip JITFunction.run's binding (direct_launch.py: 21-38 -> 10-16 us of host
-# time per launch on the lent H200 VM).
+# time per launch on an H200 host).
 launch_forward = DirectLauncher(gated_norm_fwd)
 launch_backward = DirectLauncher(gated_norm_bwd)
 launch_dw_sum = DirectLauncher(gated_norm_dw_sum)
 
+# (batch, sequence, head) strides, flat tokens, dense blocks: how a kernel addresses a view.
+Layout = tuple[tuple[int, int, int], bool, bool]
 
-def _layout(t: torch.Tensor, bt: int) -> tuple[tuple[int, int, int], bool, bool]:
+
+def _layout(t: torch.Tensor, bt: int) -> Layout:
     """(batch, sequence, head) strides of a [B, S, H, D] view, whether tokens are flat, and
     whether blocks of ``bt`` rows are dense (``dense_blocks``).
 
@@ -324,6 +332,28 @@ def norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype):
     return _TORCH_TO_TRITON[torch.promote_types(x_dtype, weight_dtype)]
 
 
+def launch_gated_norm_fwd(x, gate, weight, out, rstd, rows: int, heads: int, dim: int, seq: int,
+                          layouts: tuple[Layout, Layout, Layout], eps: float, zero_centered: bool,
+                          activation: str, rounding, norm_before_gate: bool, bt: int,
+                          block_d: int, warps: int) -> None:
+    """The one launch of ``gated_norm_fwd``, for the training entry (``forward_impl``) and the
+    inference entry alike: one row block of ``bt`` rows per program. The arguments go in the
+    kernel's parameter order (tests/fusions/test_fused_gated_norm.py pins it to the signature).
+
+    layouts: the ``Layout`` of x, gate and out; rounding: NORM_DTYPE, the Triton dtype the norm
+    output is rounded to before the gate product (tl.float32: none); rstd None stores nothing
+    (STORE_RSTD=False)."""
+    (x_strides, x_flat, x_dense), (g_strides, g_flat, g_dense), (o_strides, o_flat, o_dense) = layouts
+    launch_forward(
+        cdiv(rows, bt),
+        (x, gate, weight, out, rstd),
+        (rows, heads, dim, seq, x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
+         x_dense, g_dense, o_dense, eps, zero_centered, bt, block_d, rounding, activation,
+         norm_before_gate, rstd is not None),
+        warps,
+    )
+
+
 def forward_impl(
     x: torch.Tensor,
     gate: torch.Tensor,
@@ -340,7 +370,9 @@ def forward_impl(
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
     buffer); a new contiguous tensor when None. ``bt``/``warps`` override the heuristics of
-    ``gated_norm_launch`` (used by the benchmark's sweep)."""
+    ``gated_norm_launch`` (used by the benchmark's sweep). ``zero_centered`` must be a bool
+    (TypeError otherwise): it selects a compiled variant."""
+    check_bool("forward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     if out is None:
@@ -350,18 +382,10 @@ def forward_impl(
         return out, rstd
     cfg = forward_launch(dim, x.device)
     bt = bt or cfg.bt
-    x_strides, x_flat, x_dense = _layout(x, bt)
-    g_strides, g_flat, g_dense = _layout(gate, bt)
-    o_strides, o_flat, o_dense = _layout(out, bt)
-    launch_forward(
-        cdiv(rows, bt),
-        (x, gate, weight, out, rstd),
-        (rows, heads, dim, seq,
-         x_strides, g_strides, o_strides, x_flat, g_flat, o_flat, x_dense, g_dense, o_dense,
-         eps, zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation,
-         True, True),  # NORM_BEFORE_GATE, STORE_RSTD
-        warps or cfg.warps,
-    )
+    launch_gated_norm_fwd(x, gate, weight, out, rstd, rows, heads, dim, seq,
+                          (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
+                          zero_centered, activation, norm_dtype(x.dtype, weight.dtype), True, bt,
+                          cfg.block_d, warps or cfg.warps)
     return out, rstd
 
 
@@ -377,17 +401,21 @@ def backward_impl(
     *,
     activation: str = "silu",
     programs: Optional[int] = None,
+    weight_grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
 
     dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides with a unit last
-    dim). dweight is the fixed-order sum of the per-program fp32 partials, in the weight's dtype.
+    dim). dweight is the fixed-order sum of the per-program fp32 partials times
+    ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype. ``zero_centered``
+    must be a bool (TypeError otherwise).
     """
+    check_bool("backward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
     rows = batch * seq * heads
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    if rows == 0 or dim == 0:
+    if rows == 0 or dim == 0:  # no row contributes: dW is zero at any scale
         return dx, dgate, torch.zeros_like(weight)
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
@@ -406,18 +434,20 @@ def backward_impl(
          zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation),
         warps or cfg.warps,
     )
-    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg)
+    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg, weight_grad_scale)
 
 
-def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch) -> torch.Tensor:
-    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> dW of ``dtype``. The kernel's
-    block is sized by ``cfg.max_programs`` (the launch heuristics' cap), so fewer partials (fewer
-    rows) reuse the compiled kernel."""
+def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,
+                    weight_grad_scale: float = 1.0) -> torch.Tensor:
+    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> ``weight_grad_scale`` times
+    their sum, as dW of ``dtype``. The kernel's block is sized by ``cfg.max_programs`` (the launch
+    heuristics' cap), so fewer partials (fewer rows) reuse the compiled kernel."""
     programs, dim = dw_partial.shape
     dweight = dw_partial.new_empty(dim, dtype=dtype)
     block_p = next_power_of_2(max(programs, cfg.max_programs))
     launch_dw_sum(cdiv(dim, cfg.dw_sum_columns), (dw_partial, dweight),
-                  (programs, dim, block_p, cfg.dw_sum_columns), cfg.dw_sum_warps)
+                  (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns),
+                  cfg.dw_sum_warps)
     return dweight
 
 
@@ -442,26 +472,48 @@ def _as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:
     return buffer.transpose(0, 1) if out_layout == "sbhd" else buffer
 
 
+def _save_for_backward(ctx, x, gate, weight, rstd, zero_centered, out_layout, activation,
+                       weight_grad_scale) -> None:
+    ctx.save_for_backward(x, gate, weight, rstd)
+    ctx.zero_centered, ctx.out_layout, ctx.activation = zero_centered, out_layout, activation
+    ctx.weight_grad_scale = weight_grad_scale
+
+
+def _gradients(ctx, dbuffer, backward) -> tuple:
+    """The inputs' gradients from the output buffer's: ``backward`` is ``_backward`` (eager) or
+    the custom op wrapping it (torch.compile). Non-tensor inputs get None."""
+    x, gate, weight, rstd = ctx.saved_tensors
+    dx, dgate, dweight = backward(x, gate, weight, rstd, _as_bshd(dbuffer, ctx.out_layout),
+                                  ctx.zero_centered, ctx.activation, ctx.weight_grad_scale)
+    return dx, dgate, dweight, None, None, None, None, None
+
+
+def _backward(x, gate, weight, rstd, dy, zero_centered, activation, weight_grad_scale):
+    return backward_impl(x, gate, weight, rstd, dy, zero_centered, activation=activation,
+                         weight_grad_scale=weight_grad_scale)
+
+
 class _FusedGatedNorm(torch.autograd.Function):
     """First-order autograd of the fused gated norm (the eager path). Saves x, gate (the
-    caller's tensors, not copies), the weight and one fp32 rstd per row."""
+    caller's tensors, not copies), the weight and one fp32 rstd per row.
+
+    Returns the output *buffer* (contiguous in ``out_layout``), never a view of it: the caller
+    takes the [B, S, H, D] view outside the Function, as an ordinary autograd view, so the result
+    takes in-place ops (a residual ``add_``, in-place dropout) like any tensor. (A view made
+    inside a custom Function may not be modified in place.)"""
 
     @staticmethod
-    def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation):
+    def forward(ctx, x, gate, weight, eps, zero_centered, out_layout, activation,
+                weight_grad_scale):
         buffer, rstd = _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
-        ctx.save_for_backward(x, gate, weight, rstd)
-        ctx.zero_centered = zero_centered
-        ctx.activation = activation
-        return _as_bshd(buffer, out_layout)
+        _save_for_backward(ctx, x, gate, weight, rstd, zero_centered, out_layout, activation,
+                           weight_grad_scale)
+        return buffer
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        x, gate, weight, rstd = ctx.saved_tensors
-        dx, dgate, dweight = backward_impl(
-            x, gate, weight, rstd, dout, ctx.zero_centered, activation=ctx.activation
-        )
-        return dx, dgate, dweight, None, None, None, None
+    def backward(ctx, dbuffer):
+        return _gradients(ctx, dbuffer, _backward)
 
 
 # torch.compile path. Dynamo cannot trace into a Triton launch wrapper with Python-side
@@ -469,17 +521,18 @@ class _FusedGatedNorm(torch.autograd.Function):
 # opaque to the compiler, with output metadata from register_fake and the autograd formula
 # from register_autograd (no graph break; the compiled backward calls gated_norm_bwd too).
 # Eager calls skip the dispatcher and use _FusedGatedNorm: a custom op costs ~10+ us of host
-# time per call, more than the whole launch. fused_gated_norm picks with is_compiling().
+# time per call, more than the whole launch. fused_gated_norm picks with is_compiling(). Both
+# return the buffer; the [B, S, H, D] view is taken outside (apply_validated_gated_norm).
 @torch.library.custom_op("gdn_fusions::gated_norm_fwd", mutates_args=())
 def _gated_norm_fwd_op(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-    out_layout: str, activation: str,
+    out_layout: str, activation: str, weight_grad_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
 
 
 @_gated_norm_fwd_op.register_fake
-def _(x, gate, weight, eps, zero_centered, out_layout, activation):
+def _(x, gate, weight, eps, zero_centered, out_layout, activation, weight_grad_scale):
     batch, seq, heads, dim = x.shape
     shape = (seq, batch, heads, dim) if out_layout == "sbhd" else (batch, seq, heads, dim)
     return x.new_empty(shape), x.new_empty((batch, seq, heads), dtype=torch.float32)
@@ -488,28 +541,23 @@ def _(x, gate, weight, eps, zero_centered, out_layout, activation):
 @torch.library.custom_op("gdn_fusions::gated_norm_bwd", mutates_args=())
 def _gated_norm_bwd_op(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-    dy: torch.Tensor, zero_centered: bool, activation: str,
+    dy: torch.Tensor, zero_centered: bool, activation: str, weight_grad_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_impl(x, gate, weight, rstd, dy, zero_centered, activation=activation)
+    return _backward(x, gate, weight, rstd, dy, zero_centered, activation, weight_grad_scale)
 
 
 @_gated_norm_bwd_op.register_fake
-def _(x, gate, weight, rstd, dy, zero_centered, activation):
+def _(x, gate, weight, rstd, dy, zero_centered, activation, weight_grad_scale):
     return x.new_empty(x.shape), gate.new_empty(gate.shape), torch.empty_like(weight)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    x, gate, weight, _eps, zero_centered, out_layout, activation = inputs
-    ctx.save_for_backward(x, gate, weight, output[1])
-    ctx.zero_centered, ctx.out_layout, ctx.activation = zero_centered, out_layout, activation
+    x, gate, weight, _eps, *options = inputs
+    _save_for_backward(ctx, x, gate, weight, output[1], *options)
 
 
 def _fwd_op_backward(ctx, dbuffer, _drstd):
-    x, gate, weight, rstd = ctx.saved_tensors
-    dx, dgate, dweight = _gated_norm_bwd_op(
-        x, gate, weight, rstd, _as_bshd(dbuffer, ctx.out_layout), ctx.zero_centered, ctx.activation
-    )
-    return dx, dgate, dweight, None, None, None, None
+    return _gradients(ctx, dbuffer, _gated_norm_bwd_op)
 
 
 _gated_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -524,6 +572,7 @@ def fused_gated_norm(
     *,
     out_layout: str = "bshd",
     activation: str = "silu",
+    weight_grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """``round(round(rms_norm(x) * w_eff) * act(gate))`` over the last dim of [B, S, H, D] views.
 
@@ -533,93 +582,173 @@ def fused_gated_norm(
         gate: same shape and dtype as x; any strides with a unit last-dim stride (a slice of a
             packed projection is read in place).
         weight: (dim,) norm weight shared by all heads (bf16, fp16 or fp32).
-        eps: added to mean(x^2); finite and > 0.
-        zero_centered: w_eff = 1 + weight (Megatron's zero-centred gamma) instead of weight.
+        eps: added to mean(x^2); a finite Python float (or int) > 0.
+        zero_centered: a bool; True: w_eff = 1 + weight (Megatron's zero-centred gamma), False:
+            w_eff = weight.
         out_layout: "bshd" returns a contiguous tensor; "sbhd" returns a [B, S, H, D] view of a
             contiguous [S, B, H, D] buffer, so ``out.transpose(0, 1)`` is contiguous for free.
+            Either may be modified in place (a residual ``add_``) before the backward.
         activation: "silu" (GDN) or "sigmoid".
+        weight_grad_scale: the factor the weight's gradient is multiplied by, e.g. the TP size
+            for a weight shared by TP ranks whose gradient is averaged over TP. A finite Python
+            float (or int) > 0, applied in fp32 before dW's single rounding (exact for powers
+            of two).
     Returns:
         [B, S, H, D] tensor in x's dtype; differentiable once w.r.t. x, gate and weight.
+    Raises:
+        TypeError for an argument of the wrong type (x, gate or weight not a tensor, an
+        unsupported dtype, a non-bool ``zero_centered``, a non-number ``eps`` or
+        ``weight_grad_scale``), ValueError for a value that breaks a rule (shapes, strides,
+        devices, limits, ranges, options); before any launch.
     """
     check_gated_norm_inputs(x, gate, weight, eps)
+    check_bool(FUSED_GATED_NORM, "zero_centered", zero_centered)
+    check_positive_number(FUSED_GATED_NORM, "weight_grad_scale", weight_grad_scale)
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"fused_gated_norm: out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(
             f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
         )
-    return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation)
+    return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                      weight_grad_scale)
 
 
-def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation):
+def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
+                               weight_grad_scale=1.0):
     """``fused_gated_norm`` without its input checks, for a caller that has just run them (the
     Megatron module runs ``validate_gated_norm``, which includes them): they are not repeated on
-    the hot path. Picks the eager autograd Function or, under torch.compile, the custom op."""
+    the hot path. Picks the eager autograd Function or, under torch.compile, the custom op, and
+    takes the [B, S, H, D] view of the buffer either returns."""
     eps = float(eps)  # an int eps would compile another kernel variant (1 is specialised)
+    weight_grad_scale = float(weight_grad_scale)  # the kernel's argument is fp32
     if torch.compiler.is_compiling():
-        buffer, _ = _gated_norm_fwd_op(x, gate, weight, eps, zero_centered, out_layout, activation)
-        return _as_bshd(buffer, out_layout)
-    return _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation)
+        buffer, _ = _gated_norm_fwd_op(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                       weight_grad_scale)
+    else:
+        buffer = _FusedGatedNorm.apply(x, gate, weight, eps, zero_centered, out_layout, activation,
+                                       weight_grad_scale)
+    return _as_bshd(buffer, out_layout)
 
 
 # ----------------------------------------------------------------------------------------------
 # Validation: host-side metadata only (no CUDA synchronisation, no tensor reads)
 # ----------------------------------------------------------------------------------------------
+#
+# The rules both entries share (this one and the inference entry, gated_norm_inference.py) are
+# the check_* helpers below, called by each entry after its own shape rules. Exception types:
+# TypeError for an argument of the wrong type (not a tensor, an unsupported dtype, a non-bool
+# flag, a non-number eps), ValueError for a value breaking a rule (shape, stride, device, a limit,
+# a range, an option).
+
+FUSED_GATED_NORM = "fused_gated_norm"
 
 
 def check_gated_norm_inputs(x, gate, weight, eps) -> None:
-    """Raise TypeError/ValueError naming the argument and the rule; nothing is launched.
+    """The tensor and eps rules of ``fused_gated_norm``; raises TypeError/ValueError naming the
+    argument and the rule; nothing is launched.
 
     Runs on every call, so each tensor attribute is read once (a read costs ~0.3 us of host
     time): the checks add up to a few us against a ~10 us launch."""
-    for name, t in (("x", x), ("gate", gate), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fused_gated_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    entry = FUSED_GATED_NORM
+    check_tensors(entry, (("x", x), ("gate", gate), ("weight", weight)))
     shape = x.shape
     if len(shape) != 4:
         raise ValueError(
-            f"fused_gated_norm: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(shape)}"
+            f"{entry}: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(shape)}"
         )
     if gate.shape != shape:
-        raise ValueError(
-            f"fused_gated_norm: gate must have x's shape {tuple(shape)}, got {tuple(gate.shape)}"
-        )
-    dtype, weight_dtype = x.dtype, weight.dtype
-    if dtype not in SUPPORTED_ACTIVATION_DTYPES:
-        raise TypeError(f"fused_gated_norm: x dtype must be bf16, fp16 or fp32, got {dtype}")
-    if gate.dtype != dtype:
-        raise TypeError(f"fused_gated_norm: gate dtype must equal x dtype {dtype}, got {gate.dtype}")
-    if weight_dtype != dtype and weight_dtype != torch.float32:
-        raise TypeError(
-            f"fused_gated_norm: weight dtype must be fp32 or x's dtype {dtype}, got {weight_dtype}"
-        )
+        raise ValueError(f"{entry}: gate must have x's shape {tuple(shape)}, got {tuple(gate.shape)}")
     batch, seq, heads, dim = shape
-    if weight.shape != (dim,):
-        raise ValueError(f"fused_gated_norm: weight shape must be ({dim},) (x's last dim), got {tuple(weight.shape)}")
-    if dim > MAX_HEAD_DIM:
-        raise ValueError(f"fused_gated_norm: head dim (x's last dim) must be <= {MAX_HEAD_DIM}, got {dim}")
     rows = batch * seq * heads
-    if rows > MAX_ROWS:
-        raise ValueError(
-            f"fused_gated_norm: x must have at most {MAX_ROWS} rows (batch * sequence * heads; "
-            f"row indices are 32-bit, element offsets 64-bit), got {rows}"
-        )
-    device = x.device
-    if gate.device != device or weight.device != device:
-        raise ValueError(
-            f"fused_gated_norm: x, gate and weight must be on one device, got {device}, {gate.device}, {weight.device}"
-        )
-    if not x.is_cuda and not INTERPRETED:
-        raise ValueError(f"fused_gated_norm: x must be a CUDA tensor {CPU_RULE}, got device {device}")
+    check_operands(entry, x, (("gate", gate),), weight, dim)
+    check_head_dim(entry, "the head dim (x's last dim)", dim)
+    check_rows(entry, "batch * sequence * heads", rows)
     if rows and dim:  # an empty view may have any strides
-        for name, t in (("x", x), ("gate", gate)):
-            if t.stride()[3] != 1:
-                raise ValueError(f"fused_gated_norm: {name} must have last-dim stride 1, got strides {t.stride()}")
+        check_last_dim_stride(entry, (("x", x), ("gate", gate)))
+    check_positive_number(entry, "eps", eps)
+
+
+def check_tensors(entry: str, named: tuple) -> None:
+    """Each ``(name, value)`` is a torch.Tensor (TypeError)."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_bool(entry: str, name: str, value) -> None:
+    """``value`` is a bool (TypeError): a flag selects a compiled kernel variant, and a string,
+    None, 0, 1 or 0.5 would be taken as a truth value without complaint."""
+    if type(value) is not bool:
+        raise TypeError(f"{entry}: {name} must be a bool (True or False), got {value!r}")
+
+
+def check_positive_number(entry: str, name: str, value) -> None:
+    """A Python float or int (not a bool, not a tensor: reading one would sync the device),
+    finite and > 0: TypeError for the type, ValueError for the value."""
+    if type(value) is not float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise TypeError(f"{entry}: {name} must be a Python float or int, got {type(value).__name__}")
+    if not 0 < value < math.inf:  # the comparison also rejects NaN
+        raise ValueError(f"{entry}: {name} must be finite and > 0, got {value!r}")
+
+
+def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
+                   dim: int) -> None:
+    """The dtype (TypeError), device, weight shape and weight contiguity rules (ValueError) of
+    x, its ``(name, tensor)`` operands (gate / z, out: x's dtype and device) and the weight.
+
+    The device rule comes before any rule that reads an address (the inference entry's overlap
+    checks): the kernels take CUDA tensors when compiled, CPU tensors under the interpreter; a
+    meta tensor has no memory at all."""
+    dtype = x.dtype
+    if dtype not in SUPPORTED_ACTIVATION_DTYPES:
+        raise TypeError(f"{entry}: x dtype must be bf16, fp16 or fp32, got {dtype}")
+    for name, t in operands:
+        if t.dtype != dtype:
+            raise TypeError(f"{entry}: {name} dtype must equal x's dtype {dtype}, got {t.dtype}")
+    weight_dtype = weight.dtype
+    if weight_dtype != dtype and weight_dtype != torch.float32:
+        raise TypeError(f"{entry}: weight dtype must be fp32 or x's dtype {dtype}, got {weight_dtype}")
+    device = x.device
+    devices = [device] + [t.device for _, t in operands] + [weight.device]
+    if devices.count(device) != len(devices):
+        names = ", ".join(["x"] + [name for name, _ in operands])
+        raise ValueError(f"{entry}: {names} and weight must be on one device, got "
+                         f"{', '.join(str(d) for d in devices)}")
+    kernel_device = "cpu" if INTERPRETED else "cuda"
+    if device.type != kernel_device:
+        raise ValueError(f"{entry}: x must be a {kernel_device.upper()} tensor {DEVICE_RULE}, "
+                         f"got device {device}")
+    if weight.shape != (dim,):
+        raise ValueError(f"{entry}: weight must have shape ({dim},) (one value per element of a "
+                         f"head), got {tuple(weight.shape)}")
     if dim and weight.stride()[0] != 1:
-        raise ValueError(f"fused_gated_norm: weight must be contiguous, got stride {weight.stride()}")
-    number = type(eps) is float or (isinstance(eps, (float, int)) and not isinstance(eps, bool))
-    if not number or not 0 < eps < math.inf:  # the comparison also rejects NaN
-        raise ValueError(f"fused_gated_norm: eps must be a finite number > 0, got {eps!r}")
+        raise ValueError(f"{entry}: weight must be contiguous, got stride {weight.stride()}")
+
+
+def check_head_dim(entry: str, dim_name: str, dim: int) -> None:
+    """At most MAX_HEAD_DIM elements per row (ValueError): a row lives in registers."""
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"{entry}: {dim_name} must be <= {MAX_HEAD_DIM}, got {dim}")
+
+
+def check_rows(entry: str, rows_name: str, rows: int) -> None:
+    """At most MAX_ROWS rows (ValueError): row indices are 32-bit in the kernels (element
+    offsets are 64-bit)."""
+    if rows > MAX_ROWS:
+        raise ValueError(f"{entry}: {rows_name} must be <= {MAX_ROWS} (the row count; row "
+                         f"indices are 32-bit), got {rows}")
+
+
+def check_last_dim_stride(entry: str, named: tuple) -> list:
+    """Each ``(name, tensor)`` has a unit last-dim stride (ValueError); returns their strides."""
+    strides = []
+    for name, t in named:
+        stride = t.stride()
+        if stride[-1] != 1:
+            raise ValueError(f"{entry}: {name} must have last-dim stride 1, got strides {stride}")
+        strides.append(stride)
+    return strides
 
 
 def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:

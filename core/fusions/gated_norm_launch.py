@@ -2,8 +2,8 @@
 
 Parameters are a pure function of (head dim, SM count): no first-call autotuning, so training
 steps are reproducible and have no warm-up stalls, and never of the row count, so a row's bits do
-not depend on the size of its batch. The numbers come from the sweeps
-recorded in docs/benchmarks.md (H200, bf16).
+not depend on the size of its batch. The numbers come from H200 sweeps (bf16; docs/design.md,
+launch choices; ``python tools/launch_sweep.py`` reruns them).
 """
 
 from __future__ import annotations
@@ -42,21 +42,21 @@ def sm_count(device: torch.device) -> int:
     return 4  # CPU interpreter: programs run one after another; a few keep dW partials small
 
 
-# H200 sweeps (docs/benchmarks.md; bf16, 524k and 1M rows of D=128, 262k rows of D=256):
+# H200 sweeps (bf16, 524k and 1M rows of D=128, 262k rows of D=256):
 # - forward (tools/forward_variants.py, without the grid-stride loop and with 32-bit column
 #   offsets): 2048 elements per program with 4 warps (bt=16 at D=128, bt=8 at D=256) was best
 #   or within 0.5 % of it at every size (99 % / 95 % / 95 % of the copy ceiling); 1024 with 2
 #   warps was within 1 %, 4096 with 4 warps 9 % slower.
 # - backward: 1024 elements per loop iteration with 4 warps and 8 programs per SM was within
 #   0.5 % of the best at D=128 and the best at D=256 (89 % / 83 %).
-# - forward, third round (`benchmark.py --sweep`, GPU time in CUDA graphs, the real kernel):
+# - forward (`tools/launch_sweep.py`, GPU time in CUDA graphs, the real kernel):
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
-# - forward, small grids (fourth round, D=128): 1024 elements with 2 warps beat the regular
+# - forward, small grids (D=128): 1024 elements with 2 warps beat the regular
 #   block at 16k and 32k rows (6.45 vs 6.8 us) and lost from 49k rows on. Not taken: a row's
 #   reduction tree follows its layout along the row (elements per thread, lanes, warps; rstd
 #   can move by an fp32 ulp), and for rows that are not 16-byte aligned 2 warps lay a row out
-#   differently from 8 (compiled for sm_90: docs/benchmarks.md, notes), so a rows-dependent
+#   differently from 8 (compiled for sm_90: tools/kernel_ir.py, docs/design.md), so a rows-dependent
 #   choice would make a token's output depend on how many tokens share its batch.
 # Neither kernel's parameters depend on the row count (only the grid does): a row gets the same
 # bits in any batch (test_rows_get_the_same_bits_in_any_batch), and a new token count never
@@ -66,8 +66,7 @@ BACKWARD_ELEMENTS_PER_BLOCK = 1024
 FORWARD_ELEMENTS_PER_THREAD = 16
 FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 128)
 # Swept blocks that beat the rule above, by BLOCK_D: (rows per program, warps). 256: 4 rows x
-# 4 warps (8 elements per thread) against the rule's 8 x 4, in two sweeps (fourth and fifth
-# sessions): -7 to -8 % at 32k rows, -1.8 % at 131k, -0.4 to -0.6 % at 262k, +1 to +3 % at 16k.
+# 4 warps (8 elements per thread) against the rule's 8 x 4, in two sweeps: -7 to -8 % at 32k rows, -1.8 % at 131k, -0.4 to -0.6 % at 262k, +1 to +3 % at 16k.
 # A row's layout (8 elements x 32 lanes, or 4 warps along an unaligned row) is the same in
 # both, so no bit changes (tools/kernel_ir.py).
 FORWARD_SWEPT_BLOCKS = {256: (4, 4)}

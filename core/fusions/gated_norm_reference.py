@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     """TE-style RMSNorm: fp32 (or wider) math, one rounding to promote_types(x, weight).
 
     ``rstd``: use these inverse RMS values (one per row) instead of computing them, to separate
-    the order of the sum of squares from everything else (tests/gpu/check_kernels.py)."""
+    the order of the sum of squares from everything else (tools/parity_sources.py)."""
     compute = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     xf = x.to(compute)
     w = weight.to(compute) + 1 if zero_centered else weight.to(compute)

@@ -1,5 +1,5 @@
 """State-space / linear-attention layers: megatron's GatedDeltaNet with the fused output norm."""
 
-from core.ssm.gated_delta_net import GatedDeltaNet, mark_tp_partial_grad
+from core.ssm.gated_delta_net import GatedDeltaNet, megatron_tp_grad_reduction, scale_grad
 
-__all__ = ["GatedDeltaNet", "mark_tp_partial_grad"]
+__all__ = ["GatedDeltaNet", "megatron_tp_grad_reduction", "scale_grad"]

@@ -6,7 +6,8 @@ Flag on, per forward (and again when ``gdn_norm_out`` selective recompute re-run
     _gated_norm_and_a2a (megatron's)             core_attn_out [B,S,H,D], gate [B,S,H,D] view
       -> _apply_gated_norm (this class)
            validate_gated_norm(self, x, gate)    host-side checks, every call
-           apply_validated_gated_norm(..., "sbhd")   fused_gated_norm minus its checks
+           apply_validated_gated_norm(..., "sbhd", weight_grad_scale=...)
+                                                 fused_gated_norm minus its checks
       -> reshape(B, S, H*D).transpose(0, 1).contiguous()   a no-op: the buffer is already sbhd
       -> CP all-to-all, out_proj
 
@@ -15,18 +16,23 @@ contiguous in ``_prepare_input_for_gated_delta_rule``; the fused path skips that
 
 Both paths (flag on and off) also get:
   * ``config.gdn_out_norm_zero_centered_gamma`` honoured by the output norm;
-  * the tensor-parallel fix of the output-norm weight gradient (see :func:`mark_tp_partial_grad`
-    and docs/integration.md): each TP rank's dW covers only its heads, and the stock
-    ``finalize_model_grads`` now turns the partials into the full TP=1 gradient on every rank,
-    with sequence parallelism on or off;
+  * the tensor-parallel gradient of the output-norm weight made whole (docs/integration.md,
+    section 5): each TP rank's dW covers only its heads. Where megatron's stock
+    ``finalize_model_grads`` would leave that partial unreduced (sequence parallelism off), the
+    backward multiplies the weight's gradient by ``tp_size`` inside the autograd graph and the
+    weight is tagged ``average_gradients_across_tp_domain``: finalize's AVG over TP then gives
+    the SUM of the partials. Where megatron already reduces it (sequence parallelism on: SUM of
+    ``sequence_parallel`` params), nothing is added. See :func:`megatron_tp_grad_reduction`;
   * ``gdn_norm_out`` selective recompute without Transformer Engine (see
     :attr:`GatedDeltaNet.norm_out_checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Optional
+import importlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -41,72 +47,126 @@ from core.fusions.fused_gated_norm import (
 )
 from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
 
-# Attribute holding the gradient hook of mark_tp_partial_grad on the parameter it scales.
-TP_PARTIAL_GRAD_HOOK_ATTR = "_gdn_tp_partial_grad_hook"
+# The tag megatron's finalize_model_grads AVG-reduces over TP, sequence parallelism on or off.
+TP_AVG_TAG = "average_gradients_across_tp_domain"
 
 
-class _ScaleGrad:
-    """The gradient hook of :func:`mark_tp_partial_grad`: ``grad * scale``. A module-level class
-    rather than a closure, so that a parameter carrying it can still be pickled (``torch.save``
-    of a module, multiprocessing)."""
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the incoming gradient by ``scale``. Applied to
+    the out_norm weight inside the forward, so the scaling is one node of the autograd graph
+    (recorded once, replayed once by CUDA graphs) and nothing is attached to the parameter."""
 
-    def __init__(self, scale: int):
-        self.scale = scale
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float(self.scale)
-
-
-def mark_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> None:
-    """Make the stock ``finalize_model_grads`` reduce ``param``'s per-TP-rank partial gradient
-    into the full gradient, with sequence parallelism on or off.
-
-    ``finalize_model_grads`` all-reduces over TP (i) with AVG, unconditionally, the grads of
-    params tagged ``average_gradients_across_tp_domain``; (ii) with SUM, only when
-    ``config.sequence_parallel``, params tagged ``sequence_parallel`` (never both: it is an
-    if/elif). Only (i) runs with SP off, so the param is tagged for (i), its SP tag is cleared,
-    and a gradient hook multiplies each incoming gradient by ``tp_size`` before it is
-    accumulated: ``AVG(tp * partial_r) = SUM(partial_r)``, exact in fp32 for power-of-two TP.
-    No collective per micro-batch; one reduction per step with the other non-TP grads; the
-    hook runs before accumulation into ``.grad``, so DDP's ``main_grad`` (filled from ``.grad``)
-    is covered too. Idempotent: a parameter whose hook is registered is left alone; one that
-    carries the tags but lost the hook (``copy.copy``, a pickle round trip) gets it again."""
-    attached = _attached_hook(param)
-    if attached is not None and attached.scale != tp_size:
-        raise ValueError(
-            f"mark_tp_partial_grad: parameter already scaled for TP size {attached.scale}, "
-            f"asked for {tp_size}"
-        )
-    setattr(param, "average_gradients_across_tp_domain", True)
-    setattr(param, "sequence_parallel", False)  # one reduction path only
-    if tp_size > 1 and attached is None:
-        hook = _ScaleGrad(tp_size)
-        param.register_hook(hook)
-        setattr(param, TP_PARTIAL_GRAD_HOOK_ATTR, hook)
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
-def _attached_hook(param: torch.nn.Parameter) -> Optional[_ScaleGrad]:
-    """The parameter's _ScaleGrad hook when it is registered on this very tensor, else None."""
-    hook = getattr(param, TP_PARTIAL_GRAD_HOOK_ATTR, None)
-    hooks = getattr(param, "_backward_hooks", None) or {}
-    return hook if hook is not None and any(h is hook for h in hooks.values()) else None
+def scale_grad(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``tensor`` in the forward; its gradient times ``scale`` in the backward (``tensor`` itself
+    when ``scale == 1``)."""
+    return tensor if scale == 1.0 else _ScaleGrad.apply(tensor, scale)
 
 
-def has_tp_partial_grad(param: torch.nn.Parameter, tp_size: int) -> bool:
-    """True when ``param``'s gradient is complete after ``finalize_model_grads``: always at
-    TP = 1 (nothing to reduce), else when :func:`mark_tp_partial_grad` is in effect for
-    ``tp_size`` (tagged, and its hook registered on this tensor)."""
-    if tp_size <= 1:
-        return True
-    if not getattr(param, "average_gradients_across_tp_domain", False):
-        return False
-    hook = _attached_hook(param)
-    return hook is not None and hook.scale == tp_size
+@contextlib.contextmanager
+def weight_read_as(module: torch.nn.Module, tensor: torch.Tensor) -> Iterator[None]:
+    """While the block runs, ``module``'s ``weight`` parameter slot holds ``tensor`` (a function
+    of the weight, such as :func:`scale_grad`'s output); the parameter is put back afterwards.
+
+    The slot itself is swapped (``module._parameters["weight"]``, as torch.func.functional_call
+    does), so every way a norm reads its weight sees ``tensor``: attribute access
+    (``self.weight``: our RMSNorm, torch's norms, Transformer Engine 1.x) and
+    ``module.parameters()`` (Transformer Engine 2.x's op fuser passes the op's parameters to its
+    autograd Function as inputs and returns their gradients through it). The gradient reaching
+    ``tensor`` flows on to the parameter through whatever produced ``tensor``."""
+    slots = module._parameters
+    param = slots["weight"]
+    slots["weight"] = tensor
+    try:
+        yield
+    finally:
+        slots["weight"] = param
+
+
+class _ReductionProbe(torch.Tensor):
+    """A gradient stand-in that records the ``torch.distributed`` collectives it is handed and
+    skips them (``all_reduce`` and friends dispatch ``__torch_function__`` on their tensors)."""
+
+    collectives: list
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", "").startswith("torch.distributed"):
+            op = kwargs.get("op", args[1] if len(args) > 1 else None)
+            cls.collectives.append((func.__name__, op))
+            return None
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def megatron_tp_grad_reduction(param: torch.nn.Parameter, config, tp_group,
+                               name: str = "out_norm.weight") -> Optional[str]:
+    """How megatron-core's ``finalize_model_grads`` reduces ``param``'s gradient over the
+    tensor-parallel group: ``"sum"``, ``"avg"``, another collective's name, or None (not
+    reduced, e.g. the GDN out_norm weight in megatron-core 0.19 with sequence parallelism off,
+    upstream issue #7452).
+
+    Found by running megatron's own TP step of ``finalize_model_grads``
+    (``_allreduce_non_tensor_model_parallel_grads``) on a stand-in: a parameter named ``name``
+    with ``param``'s attributes (its tags, as megatron and the norm module set them), ``config``
+    and ``tp_group``, whose gradient records the collectives megatron issues on it instead of
+    running them. No communication, nothing of ``param`` is modified. A megatron whose finalize
+    reduces the out_norm weight by a tag or by its name is seen as such.
+
+    Raises RuntimeError when that function is missing or fails on the stand-in (a megatron-core
+    this was not written for): whether the gradient would be reduced once, twice or never is
+    then unknown."""
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reduce_tp = getattr(finalize, "_allreduce_non_tensor_model_parallel_grads", None)
+    stand_in = torch.nn.Parameter(torch.zeros(1), requires_grad=param.requires_grad)
+    for attr, value in vars(param).items():
+        setattr(stand_in, attr, value)
+    stand_in.main_grad = torch.zeros(1).as_subclass(_ReductionProbe)
+    _ReductionProbe.collectives = []
+
+    class _Chunk(torch.nn.Module):  # a DDP-wrapped model chunk, as finalize sees one
+        ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": False})()
+
+        def named_parameters(self, *args, **kwargs):
+            yield name, stand_in
+
+    try:
+        if reduce_tp is None:
+            raise AttributeError("finalize_model_grads has no _allreduce_non_tensor_model_parallel_grads")
+        reduce_tp([_Chunk()], config, tp_group)
+    except Exception as exc:
+        raise RuntimeError(
+            "GatedDeltaNet: cannot tell how this megatron-core's finalize_model_grads reduces the "
+            f"out_norm weight gradient over tensor parallelism ({type(exc).__name__}: {exc}); "
+            "this package supports megatron-core 0.19"
+        ) from exc
+    finally:
+        collectives, _ReductionProbe.collectives = _ReductionProbe.collectives, []
+    if not collectives:
+        return None
+    func, op = collectives[0]
+    if func == "all_reduce" and op in (torch.distributed.ReduceOp.SUM, None):
+        return "sum"
+    if func == "all_reduce" and op == torch.distributed.ReduceOp.AVG:
+        return "avg"
+    return func
 
 
 class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
-    gate to the fused kernel. Constructor arguments are megatron's."""
+    gate to the fused kernel. Constructor arguments are megatron's.
+
+    ``out_norm_weight_grad_scale``: the factor the backward applies to the out_norm weight's
+    gradient (``tp_size`` where this class completes the TP reduction, else 1.0)."""
 
     def __init__(self, config, submodules, *args, **kwargs):
         validate_gdn_config(config)  # configs of other classes may carry the fields as attributes
@@ -133,9 +193,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
         self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
         self.gate_activation = gate_activation_name(self.act_fn)
-        weight = getattr(self.out_norm, "weight", None)
-        if isinstance(weight, torch.nn.Parameter):
-            mark_tp_partial_grad(weight, self.tp_size)
+        self.out_norm_weight_grad_scale = self._complete_out_norm_tp_reduction()
 
     @property
     def norm_out_checkpoint(self):
@@ -160,15 +218,29 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             checkpoint.fp8 = False
         self.__dict__["_norm_out_checkpoint"] = checkpoint
 
-    def _check_tp_partial_grad(self) -> None:
+    def _complete_out_norm_tp_reduction(self) -> float:
+        """Each TP rank's out_norm dW is a partial sum over its heads. When megatron's
+        finalize_model_grads leaves it unreduced, tag the weight for finalize's AVG over TP and
+        return ``tp_size``, the factor the backward applies, so that AVG = SUM of the partials.
+        1.0 (nothing done) at TP 1 and where megatron reduces it itself."""
         weight = getattr(self.out_norm, "weight", None)
-        if isinstance(weight, torch.nn.Parameter) and not has_tp_partial_grad(weight, self.tp_size):
+        if self.tp_size == 1 or not isinstance(weight, torch.nn.Parameter):
+            return 1.0
+        if megatron_tp_grad_reduction(weight, self.config, self.pg_collection.tp) is not None:
+            return 1.0
+        setattr(weight, TP_AVG_TAG, True)
+        return float(self.tp_size)
+
+    def _check_out_norm_tp_tag(self) -> None:
+        if self.out_norm_weight_grad_scale == 1.0:
+            return
+        weight = getattr(self.out_norm, "weight", None)  # none: the norm's own checks refuse it
+        if isinstance(weight, torch.nn.Parameter) and not getattr(weight, TP_AVG_TAG, False):
             raise RuntimeError(
-                "GatedDeltaNet: out_norm.weight lost its tensor-parallel gradient handling (the "
-                "parameter was replaced or copied after construction), so its "
-                "tensor-parallel gradient would be a partial sum (wrong at TP > 1). Call "
-                "core.ssm.gated_delta_net.mark_tp_partial_grad(module.out_norm.weight, tp_size) "
-                "on the new parameter."
+                f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "
+                "replaced after construction), so finalize_model_grads would leave its "
+                "tensor-parallel gradient partial. Set "
+                f"module.out_norm.weight.{TP_AVG_TAG} = True on the new parameter."
             )
 
     def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
@@ -185,12 +257,18 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         return (query, key, value, gate, *feats)
 
     def _apply_gated_norm(self, x, gate):
-        self._check_tp_partial_grad()
+        self._check_out_norm_tp_tag()
+        scale = self.out_norm_weight_grad_scale
         if not self.fused_gated_norm:
-            return super()._apply_gated_norm(x, gate)
+            if scale == 1.0:
+                return super()._apply_gated_norm(x, gate)
+            # megatron's norm + gate, its norm module reading the weight through scale_grad.
+            with weight_read_as(self.out_norm, scale_grad(self.out_norm.weight, scale)):
+                return super()._apply_gated_norm(x, gate)
         validate_gated_norm(self, x, gate)  # includes fused_gated_norm's own input checks
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
-        # .contiguous() that follows in _gated_norm_and_a2a is then free.
+        # .contiguous() that follows in _gated_norm_and_a2a is then free. The kernel multiplies
+        # dW by the scale before its single rounding.
         return apply_validated_gated_norm(
             x,
             gate,
@@ -199,4 +277,5 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             self.out_norm_zero_centered,
             "sbhd",
             self.gate_activation,
+            weight_grad_scale=scale,
         )

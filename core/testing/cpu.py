@@ -38,7 +38,8 @@ Training level (``install_cpu_shims(training=True)``, or :func:`install_cpu_trai
 after the layer-level shims). A full training step goes through megatron code that hard-codes
 ``device='cuda'`` (``found_inf`` / loss-scale tensors of the mixed-precision optimizer,
 ``clip_grads``' norm buffers, the grad buffer's NCCL warm-up, the default causal mask of
-megatron's local attention), waits on CUDA streams, and checks
+megatron's local attention), waits on CUDA streams (as does the ``torch_dist`` checkpoint
+writer of ``megatron.core.dist_checkpointing``), and checks
 ``param.type() == 'torch.cuda.FloatTensor'`` (``Float16OptimizerWithFloat16Params``,
 ``clip_grads``):
 
@@ -69,9 +70,9 @@ wheel), and what stands in:
     ``training/training.py`` ``pretrain`` l.1131/1137 (``device='cuda'`` start-time tensors),
     ``training/models/dist_utils.py`` ``_ddp_wrap`` l.303 (``torch.cuda.Stream``),
     ``core/rerun_state_machine.py`` ``_save_state`` l.979 and ``training/checkpointing.py``
-    ``get_rng_state`` l.417 (``torch.cuda.get_rng_state``, the CPU generator here), the
-    ``torch_dist`` checkpoint writer (``filesystem_async.preload_tensors`` l.248, ...): the
-    ``torch`` proxy of the training level in those modules (:data:`TRAINING_LOOP_MODULES`).
+    ``get_rng_state`` l.417 (``torch.cuda.get_rng_state``, the CPU generator here): the
+    ``torch`` proxy of the training level in those modules (:data:`TRAINING_LOOP_MODULES`; the
+    ``torch_dist`` writer's synchronisation is already in the training level's).
   * ``core/optimizer/clip_grads.py`` ``clip_grad_by_total_norm_fp32`` l.174
     (``param.grad.type() == 'torch.cuda.FloatTensor'``): megatron's optimizer is built and
     stepped under :func:`cpu_tensor_types`.
@@ -216,9 +217,11 @@ TRAINING_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
+    # dist_checkpointing's torch_dist writer synchronises CUDA after staging tensors on the host
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
-# Modules of megatron.training's loop (and its checkpointing) with `device='cuda'` literals, CUDA
-# stream / synchronisation or CUDA RNG calls on pretrain's path.
+# Modules of megatron.training's loop with `device='cuda'` literals, CUDA stream /
+# synchronisation or CUDA RNG calls on pretrain's path (checkpoint save and load included).
 TRAINING_LOOP_MODULES = (
     "megatron.training.training",
     "megatron.training.initialize",
@@ -226,12 +229,6 @@ TRAINING_LOOP_MODULES = (
     "megatron.core.timers",
     "megatron.core.rerun_state_machine",
     "megatron.training.checkpointing",
-    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-    "megatron.core.dist_checkpointing.exchange_utils",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
               "empty_like", "full_like", "arange", "rand", "randn")

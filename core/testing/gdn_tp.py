@@ -15,13 +15,16 @@ loads its shard, runs the same step with sequence parallelism on or off and save
 the out_norm ``main_grad`` before and after finalize, the layer output.
 
 Used by tests/ssm/test_gdn_tensor_parallel.py (gloo, CPU, TP = 2 and 4 spawned processes) and by
-tests/gpu/check_gdn_layer.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
+tools/gdn_layer.py --tp N and tests/gpu/test_gdn_layer_gpu.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
 training-level shims of ``core.testing.cpu`` (``install_cpu_shims(training=True)``): its grad
 buffer waits on CUDA streams.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import itertools
 import os
 from typing import Iterable
@@ -87,23 +90,111 @@ def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool,
     return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
 
 
+def build_optimizer(model, distributed_optimizer: bool):
+    """megatron's optimizer for the DDP-wrapped ``model`` (Adam: the distributed optimizer takes
+    no other; fp32 main params for bf16 models; no clipping)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = model.module.config
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, clip_grad=0.0, bf16=config.params_dtype == torch.bfloat16,
+        params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
+    )
+    with _cpu_tensor_types():
+        return get_megatron_optimizer(opt_config, [model])
+
+
+def _cpu_tensor_types():
+    """megatron's optimizer checks ``param.type()`` against CUDA type names (CPU runs only)."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from core.testing.cpu import cpu_tensor_types
+
+    return cpu_tensor_types()
+
+
+def out_norm_weight_report(weight: torch.nn.Parameter) -> dict:
+    """What the TP handling leaves on the out_norm weight: its backward hooks, the types of its
+    attributes, and whether ``torch.save({"w": weight})`` loads back with ``weights_only=True``
+    (value and tags)."""
+    buffer = io.BytesIO()
+    torch.save({"w": weight}, buffer)
+    buffer.seek(0)
+    try:
+        loaded = torch.load(buffer, weights_only=True)["w"]
+        load_error, loaded_equal, loaded_attrs = None, torch.equal(loaded, weight), vars(loaded)
+    except Exception as exc:  # reported, asserted on by the test
+        load_error, loaded_equal, loaded_attrs = f"{type(exc).__name__}: {exc}", False, {}
+    return dict(
+        backward_hooks=len(weight._backward_hooks or {}),
+        attrs={k: (type(v).__name__, v if isinstance(v, (bool, int, float, str)) else None)
+               for k, v in vars(weight).items()},
+        load_error=load_error, loaded_equal=loaded_equal,
+        loaded_attrs={k: v for k, v in loaded_attrs.items() if isinstance(v, (bool, int, float, str))},
+    )
+
+
 def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
           distributed_optimizer: bool = False) -> dict:
-    """DDP wrap, zero grad buffer, forward, backward, stock finalize_model_grads."""
+    """DDP wrap, megatron optimizer, zero grad buffer, forward, backward, stock
+    finalize_model_grads, optimizer step."""
     from megatron.core.distributed import finalize_model_grads
 
+    weight = module.out_norm.weight
+    report = out_norm_weight_report(weight)  # as built, before DDP adds main_grad
     model = wrap_ddp(module, grad_reduce_in_fp32, distributed_optimizer)
+    optimizer = build_optimizer(model, distributed_optimizer)
     model.zero_grad_buffer()
+    optimizer.zero_grad()
     out = model(x.contiguous(), attention_mask=None)[0]
     out.backward(dy.contiguous())
-    weight = module.out_norm.weight
     before = weight.main_grad.detach().clone()
     finalize_model_grads([model])
+    after = weight.main_grad.detach().clone()
+    grad_is_none = weight.grad is None  # (the optimizer step may point .grad at main_grad)
+    weight_before_step = weight.detach().clone()
+    with _cpu_tensor_types():
+        update_ok, _, _ = optimizer.step()
     return dict(
-        out=out.detach().float().cpu(), before=before.float().cpu(),
-        after=weight.main_grad.detach().clone().cpu(),
-        main_grad_dtype=str(weight.main_grad.dtype), grad_is_none=weight.grad is None,
+        out=out.detach().float().cpu(), before=before.float().cpu(), after=after.cpu(),
+        main_grad_dtype=str(weight.main_grad.dtype), grad_is_none=grad_is_none,
+        grad_scale=module.out_norm_weight_grad_scale,
+        avg_tag=bool(getattr(weight, "average_gradients_across_tp_domain", False)),
+        update_ok=bool(update_ok), weight_before_step=weight_before_step.cpu(),
+        weight_after_step=weight.detach().clone().cpu(), **report,
     )
+
+
+@contextlib.contextmanager
+def megatron_summing_out_norm_grad():
+    """A megatron-core that reduces the GDN out_norm weight gradient itself (what a fix of
+    upstream issue #7452 in finalize_model_grads would do): its TP step of
+    ``finalize_model_grads`` also SUM-reduces over TP every parameter named ``*out_norm.weight``
+    that its sequence-parallel rule did not already sum. Simulated by wrapping megatron's
+    ``_allreduce_non_tensor_model_parallel_grads`` for the duration of the block."""
+    from megatron.core.utils import get_attr_wrapped_model, get_tensor_model_parallel_group_if_none
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = finalize._allreduce_non_tensor_model_parallel_grads
+
+    def reduce_tp(model, config, tp_group=None):
+        original(model, config, tp_group)
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        if tp_group.size() <= 1:
+            return
+        for chunk in model:
+            for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+                summed = config.sequence_parallel and getattr(param, "sequence_parallel", False)
+                if name.endswith("out_norm.weight") and param.requires_grad and not summed:
+                    grad = getattr(param, "main_grad", None)
+                    torch.distributed.all_reduce(param.grad if grad is None else grad,
+                                                 op=torch.distributed.ReduceOp.SUM, group=tp_group)
+
+    finalize._allreduce_non_tensor_model_parallel_grads = reduce_tp
+    try:
+        yield
+    finally:
+        finalize._allreduce_non_tensor_model_parallel_grads = original
 
 
 def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dict] = CASES,
@@ -124,7 +215,7 @@ def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dic
         gen = torch.Generator().manual_seed(3)  # same inputs for every key
         x = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
         dy = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
-        state = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+        state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                  for k, v in module.state_dict().items()}
         res = _step(module, g32, x, dy)
         ref[key] = dict(state=state, x=x.cpu(), dy=dy.cpu(), out=res["out"], dw=res["after"],
@@ -132,10 +223,26 @@ def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dic
     torch.save({"ref": ref, "overrides": config_overrides}, path)
 
 
+# Cases also run under megatron_summing_out_norm_grad (results named "megatron-sums-<case>").
+MEGATRON_SUMS_CASES = tuple(c for c in CASES if c["dtype"] == "fp32" and c["grad_reduce_in_fp32"]
+                            and not c["distributed_optimizer"])
+
+
 def run_rank(rank: int, tp_size: int, ref_path: str, out_path: str,
-             cases: Iterable[dict] = CASES) -> dict:
-    """One TP rank (parallel_state initialised with ``tp_size``): every case, results saved to
+             cases: Iterable[dict] = CASES,
+             megatron_sums_cases: Iterable[dict] = MEGATRON_SUMS_CASES) -> dict:
+    """One TP rank (parallel_state initialised with ``tp_size``): every case, then the
+    ``megatron_sums_cases`` under :func:`megatron_summing_out_norm_grad`; results saved to
     ``out_path`` (and returned)."""
+    results = _run_cases(rank, tp_size, ref_path, cases)
+    with megatron_summing_out_norm_grad():
+        simulated = _run_cases(rank, tp_size, ref_path, megatron_sums_cases)
+    results.update({f"megatron-sums-{name}": res for name, res in simulated.items()})
+    torch.save(results, out_path)
+    return results
+
+
+def _run_cases(rank: int, tp_size: int, ref_path: str, cases: Iterable[dict]) -> dict:
     from core.testing.gdn import build_gdn_module, gdn_config, shard_gdn_state_dict
 
     saved = torch.load(ref_path, weights_only=False)
@@ -155,7 +262,6 @@ def run_rank(rank: int, tp_size: int, ref_path: str, out_path: str,
             x, dy = x.chunk(tp_size, dim=0)[rank], dy.chunk(tp_size, dim=0)[rank]
         results[case_name(case)] = _step(module, case["grad_reduce_in_fp32"], x, dy,
                                          case["distributed_optimizer"])
-    torch.save(results, out_path)
     return results
 
 

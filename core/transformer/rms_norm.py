@@ -31,8 +31,8 @@ class RMSNorm(torch.nn.Module):
             ``config.layernorm_zero_centered_gamma``.
 
     The weight carries ``sequence_parallel = config.sequence_parallel`` (like TENorm), so the
-    stock ``finalize_model_grads`` sums its grad over TP when sequence parallelism is on. The GDN
-    output norm overrides that tagging (see ``core.ssm.gated_delta_net``).
+    stock ``finalize_model_grads`` sums its grad over TP when sequence parallelism is on. As the
+    GDN output norm, its TP gradient is completed by ``core.ssm.gated_delta_net`` when it is not.
     """
 
     def __init__(

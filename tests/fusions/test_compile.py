@@ -11,33 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+import core.fusions.fused_gated_norm as fgn
+import core.fusions.gated_norm_launch as launch
 from core.fusions.fused_gated_norm import fused_gated_norm
-
-# The module, not the function that core.fusions re-exports under the same name.
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
+from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = 1e-6
 
 
-def make_inputs(batch, seq, heads=3, dim=64, seed=0, strided_gate=False):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, seq, heads, dim, generator=gen).to(DEVICE, torch.bfloat16)
-    if strided_gate:  # the gate as a slice of a packed [.., 2 * heads * dim] projection
-        packed = torch.randn(batch, seq, 2 * heads * dim, generator=gen).to(DEVICE, torch.bfloat16)
-        gate = packed[..., heads * dim:].view(batch, seq, heads, dim)
-    else:
-        gate = (2 * torch.randn(batch, seq, heads, dim, generator=gen)).to(DEVICE, torch.bfloat16)
-    weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(DEVICE, torch.bfloat16)
-    return x, gate, weight
+def strided_gate_inputs(batch, seq, heads=3, dim=64):
+    """bf16 inputs whose gate is a slice of a packed projection (token-strided)."""
+    x, _, weight = make_inputs((batch, seq, heads, dim))
+    return x, packed_projection_gate(x.shape, x.dtype), weight
 
 
 def _grads(fn, x, gate, weight, dy):
@@ -50,10 +41,11 @@ def _grads(fn, x, gate, weight, dy):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_fullgraph_matches_eager(backend, out_layout):
     torch._dynamo.reset()
-    x, gate, weight = make_inputs(2, 5, strided_gate=True)
+    x, gate, weight = strided_gate_inputs(2, 5)
 
     def layer(x, gate, weight):
-        out = fused_gated_norm(x, gate, weight, EPS, True, out_layout=out_layout)
+        out = fused_gated_norm(x, gate, weight, EPS, True, out_layout=out_layout,
+                               weight_grad_scale=2.0)
         return out * 2.0  # something around the op, so the graph is not just the op
 
     compiled = torch.compile(layer, fullgraph=True, backend=backend)  # raises on a graph break
@@ -66,11 +58,34 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
         assert traced[0].transpose(0, 1).is_contiguous()
 
 
+def test_compiled_output_takes_in_place_ops():
+    """Under torch.compile too, the sbhd output (through ``.transpose(0, 1).contiguous()``, the
+    buffer itself) takes in-place ops: the same output and gradients as the eager out-of-place
+    ops."""
+    torch._dynamo.reset()
+    x, gate, weight = strided_gate_inputs(2, 3)
+    residual, _, _ = make_inputs((3, 2, 3, 64), seed=1)
+    dy, _, _ = make_inputs((3, 2, 3, 64), seed=2)
+
+    def in_place(x, gate, weight):
+        out = fused_gated_norm(x, gate, weight, EPS, out_layout="sbhd").transpose(0, 1).contiguous()
+        return out.add_(residual).mul_(0.5)
+
+    def out_of_place(x, gate, weight):
+        out = fused_gated_norm(x, gate, weight, EPS, out_layout="sbhd").transpose(0, 1).contiguous()
+        return (out + residual) * 0.5
+
+    compiled = torch.compile(in_place, fullgraph=True, backend="aot_eager")
+    for name, a, b in zip(("out", "dx", "dgate", "dweight"), _grads(compiled, x, gate, weight, dy),
+                          _grads(out_of_place, x, gate, weight, dy)):
+        assert torch.equal(a, b), name
+
+
 def test_custom_op_passes_opcheck():
-    x, gate, weight = make_inputs(1, 4)
+    x, gate, weight = make_inputs((1, 4, 3, 64))
     x.requires_grad_()
     torch.library.opcheck(
-        fgn._gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu"),
+        fgn._gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu", 2.0),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 
@@ -112,7 +127,6 @@ def _keys(kernel_name, run):
 
 def _use_h200_heuristics(monkeypatch):
     """The launch parameters an H200 gets (132 SMs), whatever device runs the test."""
-    launch = importlib.import_module("core.fusions.gated_norm_launch")
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(fgn, "forward_launch", lambda dim, device: launch.forward_launch.__wrapped__(dim, gpu))
@@ -126,7 +140,7 @@ def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heurist
     if heuristics == "h200":
         _use_h200_heuristics(monkeypatch)
     seqs = (2, 7, 16, 100, 257, 4096, 4099)
-    inputs = [make_inputs(batch, seq, heads=4, dim=128, strided_gate=True) for seq in seqs]
+    inputs = [strided_gate_inputs(batch, seq, heads=4, dim=128) for seq in seqs]
 
     def forwards():
         for x, gate, weight in inputs:
@@ -135,13 +149,14 @@ def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heurist
             sbhd = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
             fgn.forward_impl(x, gate, weight, EPS, out=sbhd.transpose(0, 1))
 
-    def backwards():
-        for x, gate, weight in inputs:
+    def backwards():  # a new weight_grad_scale (a runtime float) with every token count too
+        for scale, (x, gate, weight) in enumerate(inputs, start=1):
             rstd = torch.ones(x.shape[:3], device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, torch.ones_like(x))
+            fgn.backward_impl(x, gate, weight, rstd, torch.ones_like(x), weight_grad_scale=scale / 4)
             seq, heads, dim = x.shape[1:]
             dy_sbhd = torch.ones((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1))
+            fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1),
+                              weight_grad_scale=float(scale))
 
     for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards),
                              ("gated_norm_dw_sum", backwards)):

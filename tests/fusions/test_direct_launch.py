@@ -5,24 +5,33 @@ The launch-key rules are tested with a stand-in for Triton's JITFunction/Compile
 its driver (the CPU has no compiled kernels); the real kernels are tested on whatever device
 runs the suite: bit-identical results between the first (JITFunction.run) and the repeated
 (direct) call, and the direct path actually taken on a GPU, never under the interpreter.
+The direct call's fallback (an unknown Triton, a launcher of another shape, the environment
+switch) and the installed Triton's launcher ABI are tested too.
 """
 
 from __future__ import annotations
 
-import importlib
+import inspect
+import re
+import warnings
 
 import pytest
 import torch
+import triton
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.backends.nvidia.driver import CudaLauncher
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction, native_specialize_impl
 
-direct_launch = importlib.import_module("core.fusions.direct_launch")
-fgn = importlib.import_module("core.fusions.fused_gated_norm")
-from core.fusions.direct_launch import DirectLauncher  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+import core.fusions.direct_launch as direct_launch
+import core.fusions.fused_gated_norm as fgn
+from core.fusions.direct_launch import DirectLauncher, parameter_names
+from tests.gated_norm_inputs import DEVICE, EPS, make_inputs
 
 
 class FakeCompiled:
-    """The attributes of Triton's CompiledKernel that the direct call uses."""
+    """The attributes of Triton's CompiledKernel that the direct call uses; ``run`` has the
+    parameters of Triton 3.7's launcher (the fake_driver fixture says 3.7)."""
 
     function = "fn-handle"
     packed_metadata = "packed"
@@ -33,8 +42,10 @@ class FakeCompiled:
     def launch_metadata(self, grid, stream, *args):
         return ("metadata", grid, stream, args)
 
-    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
-        self.log.append(("direct", (g0, g1, g2), stream, function, packed, args, metadata, enter, exit_))
+    def run(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+            launch_enter_hook, launch_exit_hook, *args):
+        self.log.append(("direct", (gridX, gridY, gridZ), stream, function, kernel_metadata, args,
+                         launch_metadata, launch_enter_hook, launch_exit_hook))
 
 
 class FakeParam:
@@ -46,15 +57,16 @@ class FakeJit:
     """kernel[grid](*args, num_warps=...) -> a compiled kernel (or None, as the interpreter).
     ``unspecialised``: positions of do_not_specialize parameters (JITFunction.params)."""
 
-    def __init__(self, interpreted=False, unspecialised=()):
+    def __init__(self, interpreted=False, unspecialised=(), compiled=FakeCompiled):
         self.log = []
         self.interpreted = interpreted
+        self.compiled = compiled
         self.params = [FakeParam(i, i in unspecialised) for i in range(8)]
 
     def __getitem__(self, grid):
         def run(*args, num_warps):
             self.log.append(("jit", grid, args, num_warps))
-            return None if self.interpreted else FakeCompiled(self.log)
+            return None if self.interpreted else self.compiled(self.log)
         return run
 
 
@@ -75,6 +87,8 @@ class FakeDriver:
 def fake_driver(monkeypatch):
     FakeDriver.active.device = 0
     monkeypatch.setattr(direct_launch, "driver", FakeDriver)
+    monkeypatch.setattr(direct_launch, "TRITON_VERSION", "3.7.1")  # FakeCompiled's launcher
+    monkeypatch.setattr(direct_launch, "_warned", False)  # this test's own warning, if any
     return FakeDriver.active
 
 
@@ -222,20 +236,159 @@ def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls
     calls = []
     for _ in range(2):
-        out, rstd = fgn.forward_impl(x, gate, weight, 1e-6)
+        out, rstd = fgn.forward_impl(x, gate, weight, EPS)
         calls.append((out, rstd, *fgn.backward_impl(x, gate, weight, rstd, dy)))
     for a, b in zip(*calls):
         assert torch.equal(a, b)
     direct = 1 if DEVICE == "cuda" else 0  # the interpreter compiles nothing to keep
     assert fgn.launch_forward.direct_calls - fwd0 == direct
     assert fgn.launch_backward.direct_calls - bwd0 == direct
-    reference = fgn.forward_impl(x, gate.contiguous(), weight, 1e-6)[0]  # an aligned copy
+    reference = fgn.forward_impl(x, gate.contiguous(), weight, EPS)[0]  # an aligned copy
     assert torch.equal(calls[0][0], reference)
     # Another token count (one sequence of the two: the same flat-token layout): the same
     # compiled kernels, launched directly on a GPU.
     fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls
-    out, rstd = fgn.forward_impl(x[:1], gate[:1], weight, 1e-6)
+    out, rstd = fgn.forward_impl(x[:1], gate[:1], weight, EPS)
     dx, _, _ = fgn.backward_impl(x[:1], gate[:1], weight, rstd, dy[:1])
     assert torch.equal(out, calls[0][0][:1]) and torch.equal(dx, calls[0][2][:1])
     assert fgn.launch_forward.direct_calls - fwd0 == direct
     assert fgn.launch_backward.direct_calls - bwd0 == direct
+
+
+# ------------------------------------------------------------------------------------------------
+# Fallback to kernel[grid] and the installed Triton's ABI
+# ------------------------------------------------------------------------------------------------
+
+
+def test_environment_switch_turns_the_direct_path_off(fake_driver, monkeypatch):
+    monkeypatch.setenv(direct_launch.ENV_SWITCH, "0")
+    launch = DirectLauncher(FakeJit())
+    x = torch.zeros(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit choice: no warning
+        for _ in range(3):
+            launch(4, (x,), (1,), 4)
+    assert _kinds(launch.kernel.log) == ["jit"] * 3
+    assert launch.direct is False and launch.direct_calls == 0 and launch.compiled == {}
+
+
+def test_environment_switch_takes_0_or_1_only(monkeypatch):
+    monkeypatch.setenv(direct_launch.ENV_SWITCH, "1")
+    assert DirectLauncher(FakeJit()).direct is None  # on: decided at the first compiled kernel
+    monkeypatch.setenv(direct_launch.ENV_SWITCH, "off")
+    with pytest.raises(ValueError, match="GDN_FUSED_NORM_DIRECT_LAUNCH must be 0 .* or 1"):
+        DirectLauncher(FakeJit())
+
+
+class LauncherOfAnotherShape(FakeCompiled):
+    def run(self, grid, stream, function, *args):  # not the launcher the direct call knows
+        raise AssertionError("the direct call must not use this launcher")
+
+
+class NoPackedMetadata(FakeCompiled):
+    packed_metadata = property(lambda self: self.missing)
+
+
+class OtherLaunchMetadata(FakeCompiled):
+    def launch_metadata(self, grid, stream, args):
+        return None
+
+
+@pytest.mark.parametrize("triton_version, compiled, reason", [
+    ("3.9.0", FakeCompiled, "Triton 3.9.0 is not a version its launcher ABI is known for"),
+    ("2.3.1", FakeCompiled, "Triton 2.3.1 is not a version"),
+    ("3.6.0", FakeCompiled, "launcher takes .*'kernel_metadata'.*, not"),  # 3.7's under 3.6
+    ("3.7.1", LauncherOfAnotherShape, r"launcher takes \('grid', 'stream', 'function', '\*args'\)"),
+    ("3.7.1", NoPackedMetadata, "lacks what the direct call uses"),
+    ("3.7.1", OtherLaunchMetadata, "launch_metadata takes"),
+])
+def test_a_mismatched_triton_falls_back_with_one_warning(fake_driver, monkeypatch, triton_version,
+                                                         compiled, reason):
+    """Every launch then goes through kernel[grid](...) with the same arguments (the results
+    are Triton's own), and the process is warned once, however many launchers fall back."""
+    monkeypatch.setattr(direct_launch, "TRITON_VERSION", triton_version)
+    launchers = [DirectLauncher(FakeJit(compiled=compiled)) for _ in range(2)]
+    x = torch.zeros(64)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for launch in launchers:
+            for rows in (5, 6, 7):
+                launch(4, (x, None), (rows, 2.0), 4)
+    messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert re.search(reason, messages[0]), messages[0]
+    assert "kernel[grid](...)" in messages[0] and direct_launch.ENV_SWITCH in messages[0]
+    for launch in launchers:
+        assert launch.direct is False and launch.direct_calls == 0 and launch.compiled == {}
+        assert [entry[:3] for entry in launch.kernel.log] == [
+            ("jit", (4,), (x, None, rows, 2.0)) for rows in (5, 6, 7)]
+
+
+def test_real_kernels_under_an_unknown_triton(monkeypatch):
+    """The fused norm's own launchers fall back to kernel[grid]: the same bits as before. On a
+    GPU the first compiled kernel brings the one warning; the interpreter compiles nothing, so
+    there the direct path is never considered."""
+    monkeypatch.setattr(direct_launch, "TRITON_VERSION", "9.9.0")
+    monkeypatch.setattr(direct_launch, "_warned", False)
+    x, gate, weight = make_inputs((2, 5, 4, 64))
+    dy = make_inputs(x.shape, seed=1)[0]
+    expected = fgn.forward_impl(x, gate, weight, EPS)
+    expected = (*expected, *fgn.backward_impl(x, gate, weight, expected[1], dy))
+    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+        monkeypatch.setattr(launcher, "compiled", {})
+        monkeypatch.setattr(launcher, "direct", None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out, rstd = fgn.forward_impl(x, gate, weight, EPS)
+            got = (out, rstd, *fgn.backward_impl(x, gate, weight, rstd, dy))
+            for a, b in zip(got, expected):
+                assert torch.equal(a, b)
+    fallbacks = [w for w in record if "launching through kernel[grid]" in str(w.message)]
+    assert len(fallbacks) == (1 if DEVICE == "cuda" else 0)
+    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+        assert launcher.compiled == {}
+        assert launcher.direct is (False if DEVICE == "cuda" else None)
+
+
+def test_installed_triton_has_the_launch_abi_the_direct_call_uses():
+    """Fails when the installed Triton moves any part of the private ABI DirectLauncher relies
+    on: then direct_launch.py needs a look (and LAUNCHER_PARAMETERS an entry) before it is used."""
+    version = ".".join(triton.__version__.split(".")[:2])
+    assert version in direct_launch.LAUNCHER_PARAMETERS, f"untested Triton {triton.__version__}"
+    # The compiled kernel's launcher, and how JITFunction.run ends: the call the direct path makes.
+    launcher = direct_launch.LAUNCHER_PARAMETERS[version]
+    assert parameter_names(CudaLauncher.__call__) == ("self", *launcher)
+    metadata = direct_launch.LAUNCH_METADATA_PARAMETERS
+    assert parameter_names(CompiledKernel.launch_metadata) == ("self", *metadata)
+    assert isinstance(inspect.getattr_static(CompiledKernel, "run"), property)
+    compiled_init = inspect.getsource(CompiledKernel.__init__)
+    assert "self.packed_metadata =" in compiled_init and "self.function =" in compiled_init
+    run = " ".join(inspect.getsource(JITFunction.run).split())
+    assert "device = driver.active.get_current_device()" in run
+    assert "stream = driver.active.get_current_stream(device)" in run
+    assert "launch_metadata = kernel.launch_metadata(grid, stream, *bound_args.values())" in run
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
+            "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
+            "*bound_args.values())") in run
+
+    # What the launch key stands for (direct_launch.py's docstring): an unspecialised int is
+    # typed by its width, a float is fp32 whatever its value, a pointer specialises on 16-byte
+    # alignment only.
+    def specialization(value, specialize=True):
+        return native_specialize_impl(CUDABackend, value, False, specialize, True)
+
+    widths = [specialization(v, specialize=False)[0] for v in (7, -7, 2**31 - 1, 2**31, 2**63)]
+    assert widths == ["i32", "i32", "i32", "i64", "u64"]
+    assert specialization(1.0) == specialization(2.5) == ("fp32", None)
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    assert buf.data_ptr() % 16 == 0
+    assert [specialization(buf[i:i + 32])[1] for i in (0, 8, 4, 1)] == ["D", "D", "", ""]
+    # The parameters the launcher reads when it is made (of the compiled build's JITFunction:
+    # the interpreter's stand-in has none), and the launch hooks it looks at.
+    kernel = JITFunction(fgn.gated_norm_fwd.fn, do_not_specialize=fgn.PER_STEP_ARGS)
+    params = kernel.params
+    assert [p.num for p in params] == list(range(len(kernel.arg_names)))
+    assert sorted(p.name for p in params if p.do_not_specialize) == ["ROWS", "SEQUENCE"]
+    assert hasattr(triton.knobs.runtime, "launch_enter_hook")
+    assert hasattr(triton.knobs.runtime, "launch_exit_hook")

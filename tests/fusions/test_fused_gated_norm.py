@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import core.fusions.fused_gated_norm as kernel_module
+from core.fusions import fused_gdn_gated_rms_norm
 from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
+from core.fusions.gated_norm_launch import forward_launch
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
+from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate, sbhd_view
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = 1e-6
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-# The package re-exports the function under the module's own name: import the module explicitly.
-kernel_module = importlib.import_module("core.fusions.fused_gated_norm")
-
-
-def make_inputs(shape, dtype, weight_dtype=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    gate = (2 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
-    weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
-    return x, gate, weight
 
 
 def assert_matches_unfused(out, ref):
@@ -113,19 +105,6 @@ def test_nan_and_inf_propagate_like_the_reference():
 # ------------------------------------------------------------------------------------ layouts
 
 
-def packed_projection_gate(shape, dtype, seed=0):
-    """gate as a slice of a packed [B, S, 3 * H * D] projection: token-strided, read in place."""
-    batch, seq, heads, dim = shape
-    gen = torch.Generator().manual_seed(seed + 100)
-    proj = torch.randn(batch, seq, 3 * heads * dim, generator=gen).to(DEVICE, dtype)
-    return proj[..., heads * dim: 2 * heads * dim].view(batch, seq, heads, dim)
-
-
-def sbhd_view(t):
-    """A [B, S, H, D] view of a contiguous [S, B, H, D] buffer."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
-
-
 LAYOUTS = {
     "contiguous": lambda x, g: (x, g),
     "packed_gate": lambda x, g: (x, packed_projection_gate(x.shape, x.dtype)),
@@ -208,6 +187,81 @@ def test_no_input_is_copied(monkeypatch):
     assert copies == [], rec.ops
 
 
+@pytest.mark.parametrize("out_layout", ["bshd", "sbhd"])
+def test_output_takes_in_place_ops(out_layout):
+    """The output may be modified in place before the backward, as megatron's residual add and
+    in-place dropout do: for "sbhd" also through ``.transpose(0, 1).contiguous()``, which returns
+    a view of the very buffer the kernel wrote. Output and gradients equal those of the same ops
+    on a copy (the dropout is in place on both sides: on CUDA the out-of-place dropout draws
+    its mask another way)."""
+    x, gate, weight = make_inputs((2, 3, 2, 64), torch.bfloat16)
+    residual = make_inputs((3, 2, 2, 64), torch.bfloat16, seed=1)[0]
+    dy = make_inputs((3, 2, 2, 64), torch.bfloat16, seed=2)[0]
+
+    def run(in_place):
+        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+        sbhd = fused_gated_norm(*leaves, EPS, out_layout=out_layout).transpose(0, 1).contiguous()
+        torch.manual_seed(0)
+        if in_place:
+            out = F.dropout(sbhd.add_(residual), 0.5, training=True, inplace=True)
+        else:
+            out = F.dropout(sbhd + residual, 0.5, training=True, inplace=True)
+        return (out, *torch.autograd.grad(out, leaves, dy))
+
+    for name, a, b in zip(("out", "dx", "dgate", "dweight"), run(True), run(False)):
+        assert torch.equal(a, b), name
+
+
+def _record_forward_launches(monkeypatch) -> list:
+    """Replaces the forward's launcher: each launch appends its arguments by kernel parameter."""
+    names = kernel_module.gated_norm_fwd.arg_names
+    launches = []
+
+    def record(grid, tensors, scalars, warps):
+        args = (*tensors, *scalars)
+        assert len(args) == len(names), "every kernel parameter is passed, defaults included"
+        launches.append(dict(zip(names, args)))
+
+    monkeypatch.setattr(kernel_module, "launch_forward", record)
+    return launches
+
+
+def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    """Both entries build gated_norm_fwd's arguments in one place (launch_gated_norm_fwd); each
+    value must land on the kernel parameter of its name. Fails if the kernel's signature or the
+    builder's order drifts."""
+    launches = _record_forward_launches(monkeypatch)
+    x, gate, weight = make_inputs((2, 5, 3, 64), torch.bfloat16)
+    gate = packed_projection_gate(x.shape, x.dtype)  # token stride 3 * 3 * 64
+    out = torch.empty(5, 2, 3, 64, dtype=x.dtype, device=x.device).transpose(0, 1)  # sbhd
+    _, rstd = kernel_module.forward_impl(x, gate, weight, 0.25, True, bt=2, out=out,
+                                         activation="sigmoid")
+    packed = torch.zeros(7, 300, dtype=x.dtype, device=x.device)
+    x2, z2, out2 = make_inputs((7, 128), x.dtype)[0], packed[:, 100:228], torch.empty(7, 128, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        fused_gdn_gated_rms_norm(x2, z2, weight, out2, 0.5, 2, 64, False, "sigmoid")
+    train, infer = launches
+    tensors = ("x", "gate", "weight", "out", "rstd")
+    for got, want in ((train, (x, gate, weight, out, rstd)), (infer, (x2, z2, weight, out2, None))):
+        assert all(got.pop(name) is t for name, t in zip(tensors, want))
+    assert train == dict(
+        ROWS=30, HEADS=3, D=64, SEQUENCE=5,
+        X_STRIDES=(0, 192, 64), GATE_STRIDES=(0, 576, 64), OUT_STRIDES=(192, 384, 64),
+        X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=False,
+        X_DENSE=True, GATE_DENSE=False, OUT_DENSE=False,
+        EPS=0.25, ZERO_CENTERED=True, BT=2, BLOCK_D=64, NORM_DTYPE=tl.bfloat16,
+        ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True,
+    )
+    assert infer == dict(
+        ROWS=14, HEADS=2, D=64, SEQUENCE=7,
+        X_STRIDES=(0, 128, 64), GATE_STRIDES=(0, 300, 64), OUT_STRIDES=(0, 128, 64),
+        X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=True,
+        X_DENSE=True, GATE_DENSE=False, OUT_DENSE=True,
+        EPS=0.5, ZERO_CENTERED=False, BT=forward_launch(64, x.device).bt, BLOCK_D=64,
+        NORM_DTYPE=tl.float32, ACTIVATION="sigmoid", NORM_BEFORE_GATE=False, STORE_RSTD=False,
+    )
+
+
 # ------------------------------------------------------------------------------------ backward
 
 
@@ -253,6 +307,26 @@ def test_backward_is_deterministic():
 
     for first, second in zip(run(), run()):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [2.0, 8])
+def test_weight_grad_scale_multiplies_dw_exactly(weight_dtype, scale):
+    """A power-of-two scale is applied before dW's one rounding: exactly ``scale`` times the
+    unscaled dW, bit for bit; dx and dgate do not change."""
+    x, gate, weight = make_inputs((2, 6, 3, 64), torch.bfloat16, weight_dtype)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=2)[0]
+
+    def run(**kwargs):
+        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+        return torch.autograd.grad(fused_gated_norm(*leaves, EPS, **kwargs), leaves, dy)
+
+    dx, dgate, dweight = run()
+    dx_s, dgate_s, dweight_s = run(weight_grad_scale=scale)
+    assert torch.equal(dx_s, dx) and torch.equal(dgate_s, dgate)
+    assert dweight_s.dtype == weight_dtype
+    assert torch.equal(dweight_s, dweight * scale)
+    assert not torch.equal(dweight_s, dweight)
 
 
 def test_integer_eps_reaches_the_kernel_as_a_float(monkeypatch):
@@ -316,27 +390,41 @@ def _bad_inputs():
     return {
         "rank": ((x[0], gate[0], weight, EPS), ValueError, "x must have rank 4"),
         "gate_shape": ((x, gate[:, :1], weight, EPS), ValueError, "gate must have x's shape"),
-        "gate_dtype": ((x, gate.half(), weight, EPS), TypeError, "gate dtype must equal x dtype"),
+        "gate_dtype": ((x, gate.half(), weight, EPS), TypeError, "gate dtype must equal x's dtype"),
         "x_dtype": ((x.double(), gate.double(), weight.double(), EPS), TypeError, "x dtype must be"),
         "int_dtype": ((x.int(), gate.int(), weight, EPS), TypeError, "x dtype must be"),
         "weight_dtype": ((x, gate, weight.half(), EPS), TypeError, "weight dtype must be fp32 or x's dtype"),
-        "weight_shape": ((x, gate, weight[:32], EPS), ValueError, r"weight shape must be \(64,\)"),
-        "weight_2d": ((x, gate, weight.view(1, 64), EPS), ValueError, "weight shape must be"),
+        "weight_shape": ((x, gate, weight[:32], EPS), ValueError, r"weight must have shape \(64,\)"),
+        "weight_2d": ((x, gate, weight.view(1, 64), EPS), ValueError, "weight must have shape"),
         "x_last_stride": ((strided, gate, weight, EPS), ValueError, "x must have last-dim stride 1"),
         "gate_last_stride": ((x, strided, weight, EPS), ValueError, "gate must have last-dim stride 1"),
-        "device": ((x, gate, weight.to("meta"), EPS), ValueError, "must be on one device"),
+        "device": ((x, gate, weight.to("meta"), EPS), ValueError, "x, gate and weight must be on one device"),
         "device_x": ((meta, gate, weight, EPS), ValueError, "must be on one device"),
+        # The interpreter takes CPU tensors, a GPU build CUDA tensors: meta is neither.
+        "device_all_meta": ((meta, meta, weight.to("meta"), EPS), ValueError,
+                            "x must be a (CPU|CUDA) tensor .*TRITON_INTERPRET=1.*got device meta"),
         "head_dim": ((*make_inputs((1, 1, 1, 8200), torch.bfloat16), EPS), ValueError,
                      "head dim .* must be <= 8192"),
         # Expanded (memoryless) views with 2**31 rows: row indices are 32-bit in the kernels.
         "rows": ((*(x[:1, :1, :1, :1].expand(2**16, 2**11, 16, 1) for _ in range(2)), weight[:1], EPS),
-                 ValueError, r"x must have at most 2147418112 rows"),
-        "eps_zero": ((x, gate, weight, 0.0), ValueError, "eps must be a finite number > 0"),
-        "eps_negative": ((x, gate, weight, -1e-6), ValueError, "eps must be a finite number > 0"),
-        "eps_nan": ((x, gate, weight, math.nan), ValueError, "eps must be a finite number > 0"),
-        "eps_inf": ((x, gate, weight, math.inf), ValueError, "eps must be a finite number > 0"),
-        "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), ValueError, "eps must be a finite number"),
+                 ValueError, r"batch \* sequence \* heads must be <= 2147418112"),
+        "eps_zero": ((x, gate, weight, 0.0), ValueError, "eps must be finite and > 0"),
+        "eps_negative": ((x, gate, weight, -1e-6), ValueError, "eps must be finite and > 0"),
+        "eps_nan": ((x, gate, weight, math.nan), ValueError, "eps must be finite and > 0"),
+        "eps_inf": ((x, gate, weight, math.inf), ValueError, "eps must be finite and > 0"),
+        "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), TypeError, "eps must be a Python float or int"),
+        "eps_str": ((x, gate, weight, "1e-6"), TypeError, "eps must be a Python float or int"),
         "not_tensor": ((x.tolist(), gate, weight, EPS), TypeError, "x must be a torch.Tensor"),
+        # zero_centered selects a compiled variant: only a bool, never a truth value.
+        **{f"zero_centered_{name}": ((x, gate, weight, EPS, value), TypeError,
+                                     "zero_centered must be a bool")
+           for name, value in (("str", "False"), ("none", None), ("half", 0.5), ("int", 1))},
+        **{f"weight_grad_scale_{name}": ((x, gate, weight, EPS, False, {"weight_grad_scale": value}),
+                                         error, "weight_grad_scale must be")
+           for name, value, error in (("zero", 0.0, ValueError), ("negative", -2.0, ValueError),
+                                      ("nan", math.nan, ValueError), ("inf", math.inf, ValueError),
+                                      ("str", "2", TypeError), ("bool", True, TypeError),
+                                      ("tensor", torch.tensor(2.0), TypeError))},
     }
 
 
@@ -347,8 +435,21 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
 
     monkeypatch.setattr(kernel_module, "forward_impl", no_launch)
     args, error, message = _bad_inputs()[case]
+    kwargs = args[-1] if isinstance(args[-1], dict) else {}
     with pytest.raises(error, match=message):
-        fused_gated_norm(*args)
+        fused_gated_norm(*args[:len(args) - bool(kwargs)], **kwargs)
+
+
+@pytest.mark.parametrize("value", ["False", None, 0.5, 0])
+def test_impls_take_only_a_bool_zero_centered(value):
+    """zero_centered is a constexpr of both kernels: forward_impl and backward_impl refuse
+    anything but a bool too (a truth value would pick a kernel silently)."""
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    rstd = torch.ones(x.shape[:3], device=x.device)
+    with pytest.raises(TypeError, match="forward_impl: zero_centered must be a bool"):
+        kernel_module.forward_impl(x, gate, weight, EPS, value)
+    with pytest.raises(TypeError, match="backward_impl: zero_centered must be a bool"):
+        kernel_module.backward_impl(x, gate, weight, rstd, x, value)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

@@ -3,13 +3,11 @@ is the H200's, so the parameters checked are the ones the GPU runs get."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import triton
 
-launch = importlib.import_module("core.fusions.gated_norm_launch")
+import core.fusions.gated_norm_launch as launch
 
 GPU = torch.device("cuda", 0)
 H200_SMS = 132

@@ -122,3 +122,26 @@ def test_recompute_checkpoint_fp8_off_without_te_only_in_our_layer():
     out.backward(dy)
     assert CheckpointWithoutOutput().fp8 is True  # megatron's class: unchanged
     assert CheckpointWithoutOutput.__init__.__module__ == tensor_parallel_random.__name__
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_recompute_scales_the_out_norm_grad_once(fused):
+    """At a TP rank whose out_norm dW the module completes (scale = tp), the recomputation in
+    backward builds the scaled graph again: dW is scale x the unscaled one, with and without
+    recompute, and every other gradient keeps its bits."""
+    x, dy = _inputs()
+    grads = {}
+    for scale in (1.0, 2.0):
+        for name, layer in zip(("plain", "recompute"), _pair(fused)):
+            layer.self_attention.out_norm_weight_grad_scale = scale
+            layer.self_attention.out_norm.weight.average_gradients_across_tp_domain = scale != 1.0
+            _, out = _forward(layer, x)
+            out.backward(dy)
+            grads[name, scale] = _grads(layer)
+    key = "self_attention.out_norm.weight"
+    for name in ("plain", "recompute"):
+        assert torch.equal(grads[name, 2.0][key], 2.0 * grads[name, 1.0][key])
+        for param in grads[name, 1.0]:
+            if param != key:
+                assert torch.equal(grads[name, 2.0][param], grads[name, 1.0][param]), param
+    assert torch.equal(grads["plain", 2.0][key], grads["recompute", 2.0][key])

@@ -1,8 +1,11 @@
 """TP = 2 and TP = 4 on gloo (spawned CPU processes): one GatedDeltaNet layer wrapped in
 megatron's real DistributedDataParallel (grad_reduce_in_fp32 and use_distributed_optimizer on and
-off; fp32 and bf16 params, so main_grad is fp32 or bf16), then the stock finalize_model_grads. The out_norm weight gradient
-(DDP's main_grad) equals the TP = 1 gradient on every rank and is bitwise identical across the
-ranks, with sequence parallelism on and off, fused and unfused paths."""
+off; fp32 and bf16 params, so main_grad is fp32 or bf16), then the stock finalize_model_grads and
+megatron's optimizer step. The out_norm weight gradient (DDP's main_grad) equals the TP = 1
+gradient on every rank and is bitwise identical across the ranks, with sequence parallelism on
+and off, fused and unfused paths; so is the weight after the optimizer step. The weight carries
+no hook and no Python object (torch.load(weights_only=True) takes it), and a megatron that sums
+the out_norm gradient itself is left to do so alone."""
 
 from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 
@@ -14,11 +17,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from core.testing.gdn_tp import (CASES, TP_OVERRIDES, case_name, make_reference,  # noqa: E402
-                                 ref_key, rel_err, spawn_worker, tolerance)
+from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TP_OVERRIDES,  # noqa: E402
+                                 case_name, make_reference, ref_key, rel_err, spawn_worker,
+                                 tolerance)
 
 TP_SIZES = (2, 4)
 SEQ = 24  # divisible by every TP size (sequence parallelism splits it)
+TP_TAG = "average_gradients_across_tp_domain"
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +46,7 @@ def tp_results(request, reference, tmp_path_factory):
     return tp, ref, ranks
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_name(c) for c in CASES])
-def test_out_norm_grad_matches_tp1_on_every_rank(tp_results, case):
-    tp, ref, ranks = tp_results
-    name = case_name(case)
+def _check_grad_matches_tp1(tp, ref, ranks, case, name):
     expected = ref[ref_key(case)]["dw"]
     tol = tolerance(case)
     for rank, results in enumerate(ranks):
@@ -54,14 +56,71 @@ def test_out_norm_grad_matches_tp1_on_every_rank(tp_results, case):
         assert got["after"].dtype == expected.dtype
         err = rel_err(got["after"], expected)
         assert err <= tol, f"{name} TP {tp} rank {rank}: rel err {err:.2e} > {tol:.0e}"
-    # every rank ends with the same bits; before the reduction each held tp x its partial
+    # every rank ends with the same bits; before the reduction each held scale x its partial
     for r in range(1, tp):
         assert torch.equal(ranks[0][name]["after"], ranks[r][name]["after"]), (name, r)
         assert not torch.allclose(ranks[0][name]["before"], ranks[r][name]["before"])
-    partial_sum = sum(ranks[r][name]["before"] for r in range(tp)) / tp
+    scale = ranks[0][name]["grad_scale"]
+    partial_sum = sum(ranks[r][name]["before"] for r in range(tp)) / scale
     assert rel_err(partial_sum, expected.float()) <= tol
     # never reduced twice, never left partial: twice / half the gradient would be far off
     assert rel_err(2 * ranks[0][name]["after"].float(), expected.float()) > 0.5
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(c) for c in CASES])
+def test_out_norm_grad_matches_tp1_on_every_rank(tp_results, case):
+    tp, ref, ranks = tp_results
+    name = case_name(case)
+    _check_grad_matches_tp1(tp, ref, ranks, case, name)
+    # megatron-core 0.19 sums the weight's grad over TP itself only with sequence parallelism
+    # (its sequence_parallel tag); without it the backward scales by tp and finalize averages.
+    for results in ranks:
+        got = results[name]
+        if case["sequence_parallel"]:
+            assert got["grad_scale"] == 1.0 and not got["avg_tag"]
+        else:
+            assert got["grad_scale"] == float(tp) and got["avg_tag"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(c) for c in CASES])
+def test_out_norm_weight_identical_on_every_rank_after_optimizer_step(tp_results, case):
+    tp, _, ranks = tp_results
+    name = case_name(case)
+    stepped = [results[name]["weight_after_step"] for results in ranks]
+    assert all(results[name]["update_ok"] for results in ranks)
+    assert not torch.equal(stepped[0], ranks[0][name]["weight_before_step"])  # it did move
+    for r in range(1, tp):
+        assert torch.equal(stepped[0], stepped[r]), (name, r)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["grad_reduce_in_fp32"]
+                                  and not c["distributed_optimizer"]],
+                         ids=[case_name(c) for c in CASES if c["grad_reduce_in_fp32"]
+                              and not c["distributed_optimizer"]])
+def test_out_norm_weight_has_no_hook_and_loads_with_weights_only(tp_results, case):
+    """No hook and only plain tags on the parameter: torch.save of it loads back with
+    weights_only=True at TP > 1, flag on and off, tags included."""
+    tp, _, ranks = tp_results
+    for results in ranks:
+        got = results[case_name(case)]
+        assert got["backward_hooks"] == 0
+        assert {t for t, _ in got["attrs"].values()} <= {"bool"}, got["attrs"]
+        assert got["load_error"] is None, got["load_error"]
+        assert got["loaded_equal"]
+        assert got["loaded_attrs"] == {k: v for k, (_, v) in got["attrs"].items()}
+        assert got["attrs"].get(TP_TAG, ("bool", False))[1] == (not case["sequence_parallel"])
+
+
+@pytest.mark.parametrize("case", MEGATRON_SUMS_CASES, ids=[case_name(c) for c in MEGATRON_SUMS_CASES])
+def test_megatron_that_sums_out_norm_grad_itself_gets_tp1_grad(tp_results, case):
+    """Under core.testing.gdn_tp.megatron_summing_out_norm_grad (a finalize_model_grads that
+    SUM-reduces every *out_norm.weight itself), the module sees it, neither scales nor tags, and
+    the gradient is the TP = 1 one (scaling as well would give tp x)."""
+    tp, ref, ranks = tp_results
+    name = f"megatron-sums-{case_name(case)}"
+    for results in ranks:
+        assert results[name]["grad_scale"] == 1.0 and not results[name]["avg_tag"]
+    _check_grad_matches_tp1(tp, ref, ranks, case, name)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "fp32"

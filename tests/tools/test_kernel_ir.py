@@ -1,6 +1,6 @@
 """tools/kernel_ir.py compiles the kernels for sm_90 without a GPU (even when the test session
 runs the interpreter) and reports the row reduction's layout, which decides a row's bits.
-Checks the claims of docs/benchmarks.md (notes, "What decides a row's bits") on Triton's real
+Checks the claims of docs/design.md (Launch choices: a row's bits follow its layout) on Triton's real
 compiler output."""
 
 from __future__ import annotations

@@ -1,0 +1,209 @@
+"""Inference entry point of the GDN output gated RMSNorm, with vLLM's ``fused_gdn_gated_rms_norm``
+contract, running the training kernel ``gated_norm_fwd`` (no second copy of the kernel body).
+
+    norm_before_gate=True :  out = round(rms_norm(x) * w * act(z))
+    norm_before_gate=False:  out = round(rms_norm(x * act(z)) * w)
+
+fp32 math with ONE rounding at the store (vLLM's and FLA's semantics). The training path rounds
+twice, like Megatron's unfused module; docs/inference.md explains the difference.
+
+The kernel is selected by compile-time switches: NORM_DTYPE=tl.float32 (no intermediate
+rounding), ACTIVATION, NORM_BEFORE_GATE, STORE_RSTD=False (nothing saved for a backward). The
+2-D ``(num_tokens, num_v_heads * head_v_dim)`` tensors are addressed as ``[1, T, H, D]`` views
+by passing their strides: no copy, no allocation, no host sync, so the call can be captured in
+a CUDA graph. Element offsets are 64-bit inside the kernel; row indices (token * head) are 32-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from core.fusions.fused_gated_norm import (check_bool, check_head_dim, check_last_dim_stride,
+                                           check_operands, check_positive_number, check_rows,
+                                           check_tensors, dense_blocks, launch_gated_norm_fwd)
+from core.fusions.gated_norm_launch import forward_launch
+
+# vLLM spells silu "swish"; both name the same kernel branch.
+_ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
+_NAME = "fused_gdn_gated_rms_norm"
+
+
+def fused_gdn_gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    num_v_heads: int,
+    head_v_dim: int,
+    norm_before_gate: bool = True,
+    activation: str = "swish",
+) -> None:
+    """Gated RMSNorm over each head of ``x``, written into ``out``; one rounding at the store.
+
+    Args:
+        x: (num_tokens, num_v_heads * head_v_dim), bf16/fp16/fp32, last dim contiguous (any
+            token stride).
+        z: the gate, x's shape and dtype, last dim contiguous; typically a token-strided slice of
+            a packed input projection, read in place.
+        weight: (head_v_dim,) contiguous, shared by all heads; fp32 or x's dtype.
+        out: x's shape and dtype, last dim contiguous, rows not overlapping each other. May be x
+            itself (or z itself): each row is read completely before it is written, by the same
+            program. Any partial overlap with x, z or weight is rejected.
+        eps: finite Python float (or int) > 0, added to mean(x^2).
+        num_v_heads, head_v_dim: the head split of the last dim; head_v_dim <= MAX_HEAD_DIM.
+        norm_before_gate: a bool; True: rms_norm(x) * act(z); False: rms_norm(x * act(z)).
+        activation: "swish" / "silu" or "sigmoid".
+
+    Raises TypeError for an argument of the wrong type and ValueError for a value that breaks a
+    rule, before any launch: the same rules, types and messages as ``fused_gated_norm`` where the
+    two share a rule (fused_gated_norm.py, Validation).
+
+    No autograd: call it under ``torch.no_grad()`` / ``torch.inference_mode()`` (as vLLM does);
+    with grad mode on, inputs that require grad are rejected rather than silently detached. Use
+    ``fused_gated_norm`` to train. ``num_tokens == 0`` returns without a launch.
+    """
+    kernel_activation = _check_inputs(
+        x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation
+    )
+    tokens = x.shape[0]
+    if tokens == 0:
+        return
+    cfg = forward_launch(head_v_dim, x.device)
+
+    # The 2-D tensors as [1, T, H, D] views, described by their layout directly instead of
+    # through view objects (cheaper on the host). Batch is 1, so tokens are flat and the batch
+    # stride is unused: 0 keeps the compile cache key independent of num_tokens.
+    def layout(t: torch.Tensor):
+        token_stride = t.stride(0)
+        return ((0, token_stride, head_v_dim), True,
+                dense_blocks(cfg.bt, num_v_heads, head_v_dim, token_stride, head_v_dim, True))
+
+    launch_gated_norm_fwd(
+        x, z, weight, out, None,  # no rstd: nothing is saved for a backward
+        tokens * num_v_heads, num_v_heads, head_v_dim, tokens, (layout(x), layout(z), layout(out)),
+        float(eps), False, kernel_activation,
+        tl.float32,  # no intermediate rounding: one rounding at the store
+        norm_before_gate, cfg.bt, cfg.block_d, cfg.warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: host-side metadata only (no tensor reads, no CUDA synchronisation)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation) -> str:
+    """Raise TypeError/ValueError naming the argument and the rule; return the kernel's
+    activation name. Rules shared with the training entry come from fused_gated_norm.py; the
+    device rule comes before the overlap rules, which read addresses."""
+    check_tensors(_NAME, (("x", x), ("z", z), ("weight", weight), ("out", out)))
+    for name, v in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{_NAME}: {name} must be an int, got {type(v).__name__}")
+        if v <= 0:
+            raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
+    check_head_dim(_NAME, "head_v_dim", head_v_dim)
+    check_bool(_NAME, "norm_before_gate", norm_before_gate)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
+
+    # Each metadata read costs about a microsecond of Python: read each once, compare locals.
+    width = num_v_heads * head_v_dim
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != width:
+        raise ValueError(
+            f"{_NAME}: x must have shape (num_tokens, num_v_heads * head_v_dim) = (T, {width}), "
+            f"got {tuple(shape)}"
+        )
+    for name, t in (("z", z), ("out", out)):
+        if t.shape != shape:
+            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
+    tokens = shape[0]
+    check_operands(_NAME, x, (("z", z), ("out", out)), weight, head_v_dim)
+    check_rows(_NAME, "num_tokens * num_v_heads", tokens * num_v_heads)
+    check_positive_number(_NAME, "eps", eps)
+    if tokens:
+        _check_strides_and_overlap(x, z, weight, out, tokens, width, head_v_dim)
+    if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad or weight.requires_grad or out.requires_grad):
+        raise ValueError(
+            f"{_NAME}: has no autograd, but an input requires grad with grad mode enabled; call it "
+            "under torch.no_grad() or torch.inference_mode(), or use fused_gated_norm to train"
+        )
+    return _ACTIVATIONS[activation]
+
+
+def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_v_dim: int) -> None:
+    """Unit last-dim strides, then: rows of out do not overlap each other, and out is x or z
+    itself or does not overlap them; it never overlaps the weight (ValueError)."""
+    x_strides, z_strides, out_strides = check_last_dim_stride(
+        _NAME, (("x", x), ("z", z), ("out", out)))
+    token_strides = {"x": x_strides[0], "z": z_strides[0], "out": out_strides[0]}
+    # Rows of out written by different programs must not share memory (an expanded view).
+    if tokens > 1 and token_strides["out"] < width:
+        raise ValueError(
+            f"{_NAME}: out rows must not overlap each other: token stride {token_strides['out']} "
+            f"< row width {width}"
+        )
+    # Byte spans first (cheap, from the strides read above); the exact test only when they meet.
+    size = x.element_size()
+    out_lo = out.data_ptr()
+    out_hi = out_lo + ((tokens - 1) * token_strides["out"] + width) * size
+    for name, t in (("x", x), ("z", z)):
+        if t is out:  # the common in-place call
+            continue
+        lo = t.data_ptr()
+        hi = lo + ((tokens - 1) * token_strides[name] + width) * size
+        if lo < out_hi and out_lo < hi and _overlap(out, t) == "partial":
+            raise ValueError(
+                f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
+                f"or not overlap it; it partially overlaps {name}"
+            )
+    weight_lo = weight.data_ptr()
+    if weight_lo < out_hi and out_lo < weight_lo + head_v_dim * weight.element_size():
+        raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of t's elements (t non-empty, non-negative strides)."""
+    start = t.data_ptr()
+    last = sum([(n - 1) * s for n, s in zip(t.shape, t.stride())])
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'none', 'same' (identical view) or 'partial' (any other sharing, conservatively).
+
+    torch's own overlap check (torch._C._overlaps) answers "too hard" for non-dense views such
+    as a slice of a packed projection, so the spans are compared here from the metadata."""
+    if a.numel() == 0 or b.numel() == 0:
+        return "none"
+    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return "none"
+    if a_lo == b_lo and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype:
+        return "same"
+    if _interleaved_rows_disjoint(a, b):
+        return "none"
+    return "partial"
+
+
+def _interleaved_rows_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact test for two 2-D views with unit last stride and one common row pitch, such as two
+    column slices of one packed buffer: their spans intersect, their elements need not.
+
+    Row i of a covers [a_lo + i*p, a_lo + i*p + wa) and row j of b [b_lo + j*p, b_lo + j*p + wb)
+    (bytes). With d = b_lo - a_lo and k = i - j, they meet iff (d - wa) / p < k < (d + wb) / p
+    for some k in [-(rows_b - 1), rows_a - 1]."""
+    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    size = a.element_size()
+    pitch = a.stride(0) * size
+    wa, wb = a.shape[1] * size, b.shape[1] * b.element_size()
+    if b.stride(0) * b.element_size() != pitch or pitch < max(wa, wb):
+        return False
+    d = b.data_ptr() - a.data_ptr()
+    k_lo = max((d - wa) // pitch + 1, -(b.shape[0] - 1))
+    k_hi = min(-(-(d + wb) // pitch) - 1, a.shape[0] - 1)
+    return k_lo > k_hi

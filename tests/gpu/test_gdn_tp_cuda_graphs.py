@@ -1,0 +1,70 @@
+"""The out_norm weight gradient of a GDN TransformerLayer (flag on, bf16, megatron's DDP and
+finalize_model_grads) at TP 2 with sequence parallelism, and at TP 2 under megatron's local
+CUDA graphs (cuda_graph_impl="local", forward and backward captured and replayed), equals the
+eager TP 1 step's on both ranks: the scaling of the partial dW happens once, inside the captured
+backward. core/testing/gdn_layer_tp.py has the cases.
+
+GPU (2 CUDA devices, NCCL):
+
+    python -m pytest tests/gpu/test_gdn_tp_cuda_graphs.py -m gpu -v
+
+The eager cases also run on the CPU (gloo, Triton interpreter) as a dry run of the harness."""
+
+from core.testing.cpu import install_cpu_shims
+
+install_cpu_shims(training=True)  # a no-op when CUDA is available
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from core.testing.gdn_layer_tp import spawn_worker  # noqa: E402
+from core.testing.gdn_tp import rel_err  # noqa: E402
+
+TP = 2
+BF16_TOLERANCE = 8e-3  # one bf16 ulp of the largest element (core.testing.gdn_tp.tolerance)
+EXPECTED_SCALE = {"tp2-sp": 1.0, "tp2": 2.0, "tp2-cuda-graph": 2.0}
+
+
+def _run(tmp_path, cuda_graphs: bool) -> list:
+    mp.spawn(spawn_worker, args=(TP, str(tmp_path / "rdv"), str(tmp_path), cuda_graphs),
+             nprocs=TP, join=True)
+    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False)
+            for r in range(TP)]
+
+
+def _check_matches_tp1(ranks: list, case: str) -> None:
+    for rank, results in enumerate(ranks):
+        expected, got = results["tp1"]["dw"], results[case]["dw"]
+        assert got.dtype == torch.float32  # grad_reduce_in_fp32
+        err = rel_err(got, expected)
+        assert err <= BF16_TOLERANCE, f"{case} rank {rank}: rel err {err:.2e} vs TP 1"
+        assert rel_err(2 * got, expected) > 0.5  # neither reduced twice nor left partial
+        assert results[case]["grad_scale"] == EXPECTED_SCALE[case]
+    assert torch.equal(ranks[0][case]["dw"], ranks[1][case]["dw"]), f"{case}: ranks differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < TP,
+                    reason="needs 2 CUDA devices (TP 2 over NCCL, CUDA graphs)")
+def test_tp2_sequence_parallel_and_cuda_graphs_match_tp1(tmp_path):
+    ranks = _run(tmp_path, cuda_graphs=True)
+    for case in ("tp2-sp", "tp2", "tp2-cuda-graph"):
+        _check_matches_tp1(ranks, case)
+    for results in ranks:
+        graphed = results["tp2-cuda-graph"]
+        assert graphed["graphs"] and all(fwd and bwd for fwd, bwd in graphed["graphs"])
+        assert graphed["python_norm_calls_in_replay"] == 0  # step 2 replayed the graphs
+        # the recorded eager step and the replayed one give the same gradient
+        assert rel_err(graphed["dw"], graphed["eager_dw"]) <= BF16_TOLERANCE
+
+
+def test_eager_cases_cpu_dry_run(tmp_path):
+    """The harness's eager cases (TP 2 + SP, TP 2) on gloo: the GPU test's code path runs."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test above runs these cases over NCCL")
+    ranks = _run(tmp_path, cuda_graphs=False)
+    for case in ("tp2-sp", "tp2"):
+        _check_matches_tp1(ranks, case)

@@ -1,0 +1,215 @@
+"""The tensor-parallel handling of the GDN out_norm weight gradient, in one process: the scaling
+lives in the autograd graph (scale_grad, weight_read_as, the kernel's weight_grad_scale), the
+parameter carries no hook and no Python object, megatron's own reduction rule is read by a dry
+run, and a replaced weight without its tag is refused. The multi-rank checks (gloo, TP 2 and 4)
+are in test_gdn_tensor_parallel.py."""
+
+from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+
+install_cpu_shims()
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from core.ssm.gated_delta_net import (  # noqa: E402
+    TP_AVG_TAG,
+    megatron_tp_grad_reduction,
+    scale_grad,
+    weight_read_as,
+)
+from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights  # noqa: E402
+from core.testing.gdn_tp import megatron_summing_out_norm_grad  # noqa: E402
+from core.transformer import RMSNorm  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_parallel():
+    init_cpu_model_parallel(tp_size=1)
+
+
+def test_scale_grad_is_identity_forward_and_scales_the_backward():
+    weight = torch.nn.Parameter(torch.randn(8))
+    assert scale_grad(weight, 1.0) is weight  # TP 1: nothing is added to the graph
+    scaled = scale_grad(weight, 4.0)
+    assert torch.equal(scaled, weight) and scaled.data_ptr() == weight.data_ptr()
+    upstream = torch.randn(8)
+    scaled.backward(upstream)
+    assert torch.equal(weight.grad, 4.0 * upstream)
+    assert not weight._backward_hooks and not vars(weight)
+
+
+class _WeightThroughFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return dy * weight, (dy * x).sum(0)
+
+
+class _FuserStyleNorm(torch.nn.Module):
+    """Hands ``self.parameters()`` to its own autograd Function and returns the weight's
+    gradient through it, as Transformer Engine 2.x's op fuser does for te.pytorch.RMSNorm
+    (megatron's TENorm)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return _WeightThroughFunction.apply(x, *self.parameters())
+
+
+def _rms_norm(dim):
+    norm = RMSNorm(gdn_config(params_dtype=torch.float32), hidden_size=dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    return norm
+
+
+@pytest.mark.parametrize("make_norm", [_rms_norm, _FuserStyleNorm], ids=["attribute", "parameters"])
+def test_weight_read_as_scales_the_weight_gradient_once(make_norm):
+    norm = make_norm(16)
+    weight = norm.weight
+    x = torch.randn(6, 16, requires_grad=True)
+    dy = torch.randn(6, 16)
+    y_ref = norm(x)
+    y_ref.backward(dy)
+    dw_ref, dx_ref = weight.grad.clone(), x.grad.clone()
+    weight.grad, x.grad = None, None
+    with weight_read_as(norm, scale_grad(weight, 2.0)):
+        y = norm(x)
+    assert norm._parameters["weight"] is weight  # the parameter is back
+    y.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
+    assert torch.equal(weight.grad, 2.0 * dw_ref)
+    assert [p is weight for p in norm.parameters()] == [True]
+    with pytest.raises(RuntimeError, match="inside"), weight_read_as(norm, scale_grad(weight, 2.0)):
+        raise RuntimeError("inside")
+    assert norm._parameters["weight"] is weight
+
+
+def _norm_grads(module, scale, dtype=torch.bfloat16):
+    """out, dx, dgate, dW of module._apply_gated_norm with the given weight-gradient scale."""
+    module.out_norm_weight_grad_scale = scale
+    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)
+    gate = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)
+    out = module._apply_gated_norm(x, gate)
+    out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+    weight = module.out_norm.weight
+    dw, weight.grad = weight.grad.clone(), None
+    return out.detach(), x.grad, gate.grad, dw
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_module_scales_only_the_weight_gradient(fused):
+    """The scale (tp_size at a rank whose partial dW megatron leaves unreduced) multiplies dW
+    and nothing else: output, dx and dgate keep their bits; dW is exactly scale x (a power of
+    two), in the unfused path through weight_read_as, in the fused one inside the kernel."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    randomize_norm_weights(module)
+    out1, dx1, dg1, dw1 = _norm_grads(module, 1.0)
+    out4, dx4, dg4, dw4 = _norm_grads(module, 4.0)
+    assert torch.equal(out4, out1) and torch.equal(dx4, dx1) and torch.equal(dg4, dg1)
+    assert torch.equal(dw4, 4.0 * dw1) and dw1.abs().max() > 0
+    assert module.out_norm._parameters["weight"] is module.out_norm.weight
+    assert not module.out_norm.weight._backward_hooks
+
+
+def test_unfused_scaling_under_megatrons_torch_compile(monkeypatch):
+    """megatron's jit_fuser compiles _apply_gated_norm with torch.compile on the GPU: traced with
+    the weight slot holding scale_grad's output, it scales dW, and a second call reuses the
+    graph (no recompilation)."""
+    import torch._dynamo
+
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    module = build_gdn_module(gdn_config(fused_gated_norm=False))
+    randomize_norm_weights(module)
+    eager = _norm_grads(module, 4.0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(_GDNBase, "_apply_gated_norm",
+                        torch.compile(_GDNBase._apply_gated_norm, backend="aot_eager"))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    for _ in range(2):
+        compiled = _norm_grads(module, 4.0)
+        for got, expected in zip(compiled, eager):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # it was compiled
+    torch._dynamo.reset()
+
+
+def test_tp1_module_leaves_the_weight_untouched():
+    for fused in (False, True):
+        module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+        weight = module.out_norm.weight
+        assert module.out_norm_weight_grad_scale == 1.0
+        assert not weight._backward_hooks
+        assert vars(weight) == {"sequence_parallel": False}  # RMSNorm's own tag, nothing more
+
+
+class _TPGroupOfTwo:
+    """What megatron's TP step reads of the group before it communicates."""
+
+    def size(self):
+        return 2
+
+
+def _weight(**tags):
+    weight = torch.nn.Parameter(torch.ones(4))
+    for name, value in tags.items():
+        setattr(weight, name, value)
+    return weight
+
+
+def test_megatron_tp_grad_reduction_reads_megatrons_rule():
+    sp_off = gdn_config(tensor_model_parallel_size=2)
+    sp_on = gdn_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    group = _TPGroupOfTwo()
+    # megatron-core 0.19: the norm's sequence_parallel tag is summed only with SP on.
+    assert megatron_tp_grad_reduction(_weight(sequence_parallel=False), sp_off, group) is None
+    assert megatron_tp_grad_reduction(_weight(sequence_parallel=True), sp_on, group) == "sum"
+    assert megatron_tp_grad_reduction(_weight(**{TP_AVG_TAG: True}), sp_off, group) == "avg"
+    weight = _weight(sequence_parallel=True)
+    megatron_tp_grad_reduction(weight, sp_on, group)
+    assert vars(weight) == {"sequence_parallel": True}  # dry run: nothing added or changed
+    assert torch.equal(weight, torch.ones(4)) and weight.grad is None
+    with megatron_summing_out_norm_grad():
+        assert megatron_tp_grad_reduction(_weight(sequence_parallel=False), sp_off, group) == "sum"
+        assert megatron_tp_grad_reduction(_weight(), sp_off, group, name="linear.weight") is None
+
+
+def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(monkeypatch):
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    monkeypatch.delattr(finalize, "_allreduce_non_tensor_model_parallel_grads")
+    with pytest.raises(RuntimeError, match="cannot tell how this megatron-core's finalize_model_grads"):
+        megatron_tp_grad_reduction(_weight(), gdn_config(tensor_model_parallel_size=2),
+                                   _TPGroupOfTwo())
+
+
+def test_replaced_weight_without_tp_tag_raises():
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
+    module.out_norm_weight_grad_scale = 2.0  # as on a TP 2 rank whose partial dW megatron leaves
+    setattr(module.out_norm.weight, TP_AVG_TAG, True)
+    module._apply_gated_norm(x, gate)
+    module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # untagged weight
+    with pytest.raises(RuntimeError, match=f"out_norm.weight lost its {TP_AVG_TAG} tag"):
+        module._apply_gated_norm(x, gate)
+    setattr(module.out_norm.weight, TP_AVG_TAG, True)
+    module._apply_gated_norm(x, gate)
+    module.out_norm_weight_grad_scale = 1.0  # TP 1 / megatron reduces: any weight is fine
+    module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)
+    module._apply_gated_norm(x, gate)
+    module.out_norm_weight_grad_scale = 2.0
+    module.out_norm = torch.nn.Identity()  # no weight at all: validation's own error
+    with pytest.raises(ValueError, match="out_norm to have a weight"):
+        module._apply_gated_norm(x, gate)

@@ -1,0 +1,93 @@
+"""The measurement scripts' pure logic, on the CPU: shapes, byte counts, rates, inputs, the host
+timer's bookkeeping, the sweep's candidate blocks, and the parity-sources measurement under the
+Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools import benchmark
+from tools.bench_common import bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling, shape_label
+from tools.host_cost import HostTimer
+from tools.launch_sweep import MIN_ELEMENTS_PER_THREAD, best_lines, candidate_blocks
+from tools.parity_sources import parity_sources
+
+
+def test_parse_shape():
+    assert parse_shape("1x4096x32x128") == (1, 4096, 32, 128)
+    for bad in ("1x4096x32", "1x0x32x128", "1x4096x32xD", "-1x2x3x4"):
+        with pytest.raises(ValueError, match="BxSxHxD"):
+            parse_shape(bad)
+
+
+def test_shape_label():
+    assert shape_label((2, 8192, 32, 128)) == "2x8192x32x128"
+    assert shape_label((2, 8192, 32, 128), "sbhd") == "2x8192x32x128 sbhd"
+
+
+def test_bytes_moved_and_rates():
+    elements, rows = 1 * 4096 * 32 * 128, 1 * 4096 * 32
+    moved = bytes_moved((1, 4096, 32, 128))
+    assert moved == {"fwd": 6 * elements + 4 * rows, "bwd": 10 * elements + 4 * rows, "infer": 6 * elements}
+    assert gbps(4_000_000, 1000.0) == pytest.approx(4.0)  # 4 MB in 1 ms
+    assert pct_of_ceiling(4_000_000, 1000.0, 8.0) == pytest.approx(50.0)
+
+
+def test_strided_gate_is_a_slice_of_the_packed_projection():
+    x, gate, weight, dy, leaves = make_inputs((2, 3, 4, 8), "strided_gate", device="cpu")
+    packed = leaves[1]
+    assert packed.shape == (2, 3, 64) and gate._base is packed
+    assert gate.shape == x.shape == dy.shape and weight.shape == (8,)
+    assert torch.equal(gate, packed[..., 32:].unflatten(-1, (4, 8)))
+    assert all(t.requires_grad for t in leaves)
+    again = make_inputs((2, 3, 4, 8), "strided_gate", device="cpu")
+    assert torch.equal(again[0], x)  # seeded
+
+
+def test_benchmark_shapes_include_tensor_parallel_ranks():
+    rows = {s[0] * s[1] * s[2] for s in benchmark.SHAPES if s[3] == 128 and s[0] == 1}
+    assert {16384, 32768, 65536, 131072, 262144} <= rows
+    for heads in (4, 8, 16, 32):
+        for seq in (4096, 8192):
+            assert (1, seq, heads, 128) in benchmark.SHAPES
+    for heads in (8, 16):
+        assert (1, 4096, heads, 256) in benchmark.SHAPES
+    assert len(benchmark.SHAPES) == len(set(benchmark.SHAPES))
+
+
+def test_host_timer_keeps_mean_and_best_round():
+    timer = HostTimer()
+    timer.record("validation_us", [3.0, 2.0, 4.0])
+    timer.record("direct_launcher_us", [10.0, 12.0, 11.0])
+    timer.add_sum("validation_plus_launch_us", "validation_us", "direct_launcher_us")
+    result = timer.result()
+    assert result["validation_us"] == pytest.approx(3.0)
+    assert result["validation_plus_launch_us"] == pytest.approx(14.0)
+    assert result["best_round_us"] == {"validation_us": 2.0, "direct_launcher_us": 10.0,
+                                       "validation_plus_launch_us": 12.0}
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 1000])
+def test_sweep_candidates_keep_enough_elements_per_thread(dim):
+    blocks = candidate_blocks(dim)
+    assert blocks
+    width = 1 << (dim - 1).bit_length()
+    assert all(bt * width // (32 * warps) >= MIN_ELEMENTS_PER_THREAD for bt, warps in blocks)
+    if dim == 128:
+        assert (16, 8) in blocks  # the shipped D <= 128 block
+
+
+def test_sweep_best_lines_rank_by_time():
+    results = [{"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": bt, "warps": 4, "us": us, "pct": 1.0}
+               for bt, us in ((8, 3.0), (16, 2.0))]
+    fwd_line = best_lines(results)[0]
+    assert fwd_line.index("bt16") < fwd_line.index("bt8")
+
+
+def test_parity_sources_on_the_cpu():
+    """Under the interpreter the summation orders agree: no difference anywhere."""
+    result = parity_sources((1, 8, 2, 64), device="cpu")
+    assert result["out_vs_unfused"] == {"differ": 0.0, "max_ulp": 0}
+    assert result["rows_with_a_difference"] == 0
+    assert result["out_vs_unfused_with_our_rstd"]["differ"] == 0.0

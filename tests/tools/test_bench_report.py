@@ -1,0 +1,127 @@
+"""tools/bench_report.py and the benchmark's command line, on the CPU: the comparison, table,
+CSV and plot of a small synthetic benchmark.json, and ``--report`` on the recorded H200 run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tools import bench_report, benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "docs" / "results" / "benchmark.json"
+
+
+def impl(fwd_graph, bwd_graph, ceiling=4000.0, nbytes=(6e6, 10e6)):
+    r = {"fwd_graph_us": fwd_graph, "bwd_graph_us": bwd_graph, "fwd_us": 2 * fwd_graph,
+         "bwd_us": 2 * bwd_graph}
+    for phase, n in zip(("fwd", "bwd"), nbytes):
+        for key in (f"{phase}_graph", phase):
+            r[f"{key}_pct"] = 100 * n / r[f"{key}_us"] / 1e3 / ceiling
+        r[f"{phase}_GBps"] = n / r[f"{phase}_us"] / 1e3
+    return r
+
+
+def case(shape, variant, impls):
+    return {"label": benchmark.shape_label(shape, variant), "shape": list(shape), "variant": variant,
+            "rows": shape[0] * shape[1] * shape[2], "floor_us": {"fwd": 1.5, "bwd": 2.5},
+            "impls": impls}
+
+
+@pytest.fixture
+def results():
+    shape = (1, 64, 4, 128)
+    return {"env": {"gpu": "Test GPU", "torch": "2.x", "triton": "3.x", "fla": None, "date": "2026-01-01"},
+            "ceiling": {"us": 1.0, "GBps": 4000.0},
+            "timings": [case(shape, "plain", {"ours": impl(2.0, 3.0), "eager": impl(8.0, 9.0),
+                                              "fla": impl(1.9, 4.0), "compile": impl(2.5, float("nan"))}),
+                        case(shape, "strided_gate", {"ours": impl(2.2, 3.3), "fla": impl(6.0, 4.0)})]}
+
+
+def test_peer_comparison_picks_the_fastest_peer_per_phase(results):
+    plain, strided = bench_report.peer_comparison(results)
+    assert (plain["fwd"]["best_peer"], plain["fwd"]["best_peer_us"]) == ("fla", 1.9)
+    assert plain["fwd"]["slower_pct"] == pytest.approx(100 * (2.0 / 1.9 - 1))
+    assert plain["bwd"]["best_peer"] == "fla"  # compile's NaN backward (not captured) is skipped
+    assert plain["fwd_bwd"]["best_peer"] == "fla"
+    assert plain["fwd_bwd"]["speedup"] == pytest.approx(5.9 / 5.0)
+    assert plain["fwd_bwd"]["max_possible_speedup"] == pytest.approx(5.9 / 4.0)
+    assert "vs_plain_pct" not in plain
+    assert strided["vs_plain_pct"]["fwd"] == pytest.approx(10.0)
+    assert strided["vs_plain_pct"]["bwd"] == pytest.approx(10.0)
+
+
+def test_report_writes_csv_and_plot(results, tmp_path, capsys):
+    bench_report.write_report(results, str(tmp_path))
+    assert "ours vs the fastest peer" in capsys.readouterr().out
+    with open(tmp_path / "benchmark.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["impl"]) for r in rows][:2] == [("1x64x4x128", "ours"), ("1x64x4x128", "eager")]
+    assert len(rows) == 6 and float(rows[0]["fwd_graph_us"]) == 2.0
+    assert (tmp_path / "benchmark.png").stat().st_size > 10_000
+
+
+def test_summary_table_lists_every_implementation(results):
+    lines = bench_report.summary_lines(results)
+    assert lines[0].startswith("Test GPU") and "4000 GB/s" in lines[0]
+    assert sum(" ours " in line for line in lines) == 2
+
+
+def test_command_line(tmp_path):
+    args = benchmark.parse_args([])
+    assert (args.out, args.quick, args.report) == ("out/benchmark", False, None)
+    assert args.impls.split(",") == list(benchmark.IMPLS)
+    assert benchmark.parse_args(["--quick", "--impls", "ours,fla"]).quick
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--impls", "ours,cudnn"])
+
+
+def test_report_of_the_recorded_run_needs_no_gpu(tmp_path, capsys):
+    benchmark.main(["--report", str(RECORDED), "--out", str(tmp_path)])
+    assert "1x32768x32x128" in capsys.readouterr().out
+    recorded = json.loads(RECORDED.read_text())
+    for row in bench_report.peer_comparison(recorded):
+        if "fwd_bwd" in row:  # no kernel beats the memory floor
+            assert 0 < row["fwd_bwd"]["speedup"] < row["fwd_bwd"]["max_possible_speedup"]
+    assert (tmp_path / "benchmark.png").stat().st_size > 10_000
+
+
+def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
+    """benchmark.run end to end on tiny shapes, with the GPU-only timers replaced by one call
+    each (their arithmetic is tested above): the JSON it writes is what the report reads."""
+    from tools import bench_common
+
+    calls = []
+
+    def one_call(fn, *args, **kwargs):
+        calls.append(fn())
+        return float(len(calls))  # later calls take longer: fwd + bwd > fwd
+
+    monkeypatch.setattr(bench_common, "DEVICE", "cpu")
+    monkeypatch.setattr(benchmark, "DEVICE", "cpu")
+    for name in ("bench", "bench_graph"):
+        monkeypatch.setattr(benchmark, name, one_call)
+    monkeypatch.setattr(benchmark, "copy_ceiling", lambda: {"us": 1.0, "GBps": 4000.0})
+    monkeypatch.setattr(benchmark, "environment", lambda **extra: {
+        "gpu": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01", **extra})
+    monkeypatch.setattr(benchmark, "warm_up_capture", lambda: None)
+    monkeypatch.setattr(benchmark, "load_fla_rms_norm_gated", lambda: (None, None))  # FLA needs a GPU
+    monkeypatch.setattr(benchmark, "SERVING_TOKENS", (1, 3))
+    monkeypatch.setattr(benchmark.host_cost, "host_cost", lambda: {"validation_us": 1.0})
+    shape = (1, 4, 2, 64)
+    results = benchmark.run([shape], [(shape, "strided_gate"), (shape, "sbhd")], ["ours", "eager"],
+                            str(tmp_path))
+    assert json.loads((tmp_path / "benchmark.json").read_text())["timings"] == json.loads(
+        json.dumps(results["timings"]))
+    assert [t["label"] for t in results["timings"]] == ["1x4x2x64", "1x4x2x64 strided_gate", "1x4x2x64 sbhd"]
+    for entry in results["timings"]:
+        assert set(entry["impls"]) == {"ours", "eager"} and "errors" not in entry
+        assert entry["impls"]["ours"]["bwd_graph_us"] == 1.0  # fwd+bwd graph minus fwd graph
+    assert set(results["timings"][0]["inference"]) == {"ours_us"}
+    assert [r["tokens"] for r in results["inference_serving"]] == [1, 3]
+    assert results["host_cost"] == {"validation_us": 1.0}
+    assert len(results["vs_peers"]) == 3 and "vs_plain_pct" in results["vs_peers"][1]
+    bench_report.write_report(results, str(tmp_path))

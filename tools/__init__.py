@@ -1,0 +1,1 @@
+"""Measurement scripts (GPU) and their CPU-side report; see docs/benchmarks.md."""

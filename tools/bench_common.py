@@ -1,0 +1,175 @@
+"""Timing, inputs and byte counts shared by the measurement scripts in tools/.
+
+Every GPU time is a median: ``bench`` is ``triton.testing.do_bench`` (host included),
+``bench_graph`` replays the call captured in a CUDA graph (the kernels alone). The copy ceiling
+is a device-to-device copy timed in the same process as what it judges.
+
+Bytes counted (the minimum a fused kernel must move, used for every implementation alike):
+  forward  = x + gate + out (2 B each per element) + rstd (4 B per row)
+  backward = x + gate + dy + dx + dgate (2 B each per element) + rstd (4 B per row)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import torch
+
+EPS = 1e-6
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+GIB = 1 << 30
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """'1x4096x32x128' -> (1, 4096, 32, 128): batch, sequence, heads, head dim."""
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape {text!r}: expected BxSxHxD with four positive integers")
+    return tuple(int(p) for p in parts)
+
+
+def shape_label(shape, variant: str = "plain") -> str:
+    return "x".join(str(n) for n in shape) + ("" if variant == "plain" else f" {variant}")
+
+
+def bytes_moved(shape) -> dict:
+    """Bytes a fused kernel must move for a [B, S, H, D] bf16 input: forward, backward (both
+    with the fp32 rstd per row) and the inference entry (no rstd)."""
+    b, s, h, d = shape
+    n, rows = b * s * h * d, b * s * h
+    return {"fwd": 3 * n * 2 + 4 * rows, "bwd": 5 * n * 2 + 4 * rows, "infer": 3 * n * 2}
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / us / 1e3
+
+
+def pct_of_ceiling(nbytes: int, us: float, ceiling_gbps: float) -> float:
+    return 100 * gbps(nbytes, us) / ceiling_gbps
+
+
+def make_inputs(shape, variant: str = "plain", seed: int = 0, device=None, dtype=DTYPE):
+    """Fresh random x, gate, weight (leaves requiring grad) and dy. variant 'strided_gate': the
+    gate is a slice of a packed [B, S, 2 * H * D] projection (read in place by the fused norm).
+    Returns (x, gate, weight, dy, leaves)."""
+    device = device or DEVICE
+    # A private generator: the default CUDA generator is tied to graph capture state.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, s, h, d = shape
+
+    def randn(*size):
+        return torch.randn(size, device=device, dtype=dtype, generator=gen)
+
+    x = randn(*shape).requires_grad_()
+    if variant == "strided_gate":
+        packed = (2 * randn(b, s, 2 * h * d)).requires_grad_()
+        gate = packed[..., h * d:].unflatten(-1, (h, d))
+        leaves = (x, packed)
+    else:
+        gate = (2 * randn(*shape)).requires_grad_()
+        leaves = (x, gate)
+    weight = (1 + 0.2 * randn(d)).requires_grad_()
+    dy = randn(*shape)
+    return x, gate, weight, dy, (*leaves, weight)
+
+
+def bench(fn, rep: int = 100) -> float:
+    """Median time of ``fn()`` in us (triton.testing.do_bench: host launch cost included)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def capture(fn, calls: int = 1, warmup: int = 3):
+    """Warm ``fn`` up on a side stream (as CUDA-graph capture requires), then capture ``calls``
+    back-to-back calls in one graph; returns the graph and the last call's outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            outputs = fn()
+    return graph, outputs
+
+
+def bench_graph(fn, calls: int = 10, rep: int = 50) -> float:
+    """GPU time of one call in us with the host out of the picture: ``calls`` back-to-back
+    calls captured in one CUDA graph and replayed."""
+    graph, _ = capture(fn, calls)
+    us = bench(graph.replay, rep=rep) / calls
+    del graph
+    return us
+
+
+def copy_ceiling() -> dict:
+    """Device-to-device copy of 2 GiB of bf16 each way (far past the L2): us and GB/s counting
+    bytes read + written."""
+    n = GIB
+    src = torch.randn(n, device=DEVICE, dtype=DTYPE)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src), rep=200)
+    result = {"us": us, "GBps": gbps(2 * n * src.element_size(), us)}
+    del src, dst
+    torch.cuda.empty_cache()
+    return result
+
+
+def load_fla_rms_norm_gated():
+    """FLA's gated RMSNorm and fla-core's version, or (None, None) when fla-core is absent."""
+    try:
+        import fla
+        from fla.modules.fused_norm_gate import rms_norm_gated
+    except ImportError as e:
+        log(f"fla-core not importable ({e}); FLA peer skipped")
+        return None, None
+    return rms_norm_gated, getattr(fla, "__version__", "?")
+
+
+def environment(**extra) -> dict:
+    """GPU, versions and date recorded with every result."""
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(), **extra}
+
+
+def write_json(results: dict, out_dir: str, name: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return path
+
+
+def require_cuda(script: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+
+
+def measure_and_write(argv, doc: str, key: str, measure) -> dict:
+    """The command line of a script that takes one measurement: ``--out DIR`` (default
+    out/benchmark); writes ``DIR/<key>.json`` with the environment and ``measure()``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default="out/benchmark", help=f"folder for {key}.json")
+    args = parser.parse_args(argv)
+    require_cuda(f"{key}.py")
+    results = {"env": environment(), key: measure()}
+    log(json.dumps(results, indent=1))
+    log(f"wrote {write_json(results, args.out, f'{key}.json')}")
+    return results

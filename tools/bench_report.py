@@ -1,0 +1,159 @@
+"""Report of a benchmark.json (tools/benchmark.py): ours against the fastest peer, the summary
+table, the CSV and the plot. Needs no GPU:
+
+    python tools/benchmark.py --report docs/results/benchmark.json --out DIR
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+from tools.bench_common import log
+
+PHASES = ("fwd", "bwd")
+PLOT_ORDER = ("ours", "compile_casts", "compile", "fla", "eager")
+CSV_FIELDS = ("label", "rows", "impl", "fwd_graph_us", "fwd_graph_pct", "bwd_graph_us",
+              "bwd_graph_pct", "fwd_us", "fwd_GBps", "fwd_pct", "bwd_us", "bwd_GBps", "bwd_pct")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def peer_comparison(results: dict) -> list[dict]:
+    """Per timed case, ours against the fastest other implementation in GPU time (the graph
+    columns): forward, backward, and forward + backward together, where the memory floor also
+    bounds what any kernel could gain over that peer. Variants (strided gate, sbhd output) are
+    also compared with the plain layout of the same shape."""
+    plain = {tuple(t["shape"]): t for t in results["timings"] if t["variant"] == "plain"}
+    rows = []
+    for t in results["timings"]:
+        ours = t["impls"].get("ours")
+        if ours is None:
+            continue
+        peers = {name: r for name, r in t["impls"].items() if name != "ours"}
+        row = {"label": t["label"], "rows": t["rows"]}
+        for phase in PHASES:
+            times = {name: r[f"{phase}_graph_us"] for name, r in peers.items()
+                     if _finite(r[f"{phase}_graph_us"])}
+            if times:
+                best = min(times, key=times.get)
+                row[phase] = {"ours_us": ours[f"{phase}_graph_us"],
+                              "ours_pct": ours[f"{phase}_graph_pct"],
+                              "best_peer": best, "best_peer_us": times[best],
+                              "slower_pct": 100 * (ours[f"{phase}_graph_us"] / times[best] - 1)}
+        totals = {name: r["fwd_graph_us"] + r["bwd_graph_us"] for name, r in peers.items()
+                  if _finite(r["fwd_graph_us"] + r["bwd_graph_us"])}
+        if totals:
+            best = min(totals, key=totals.get)
+            floor = t["floor_us"]["fwd"] + t["floor_us"]["bwd"]
+            row["fwd_bwd"] = {"best_peer": best,
+                              "speedup": totals[best] / (ours["fwd_graph_us"] + ours["bwd_graph_us"]),
+                              "max_possible_speedup": totals[best] / floor}
+        base = plain.get(tuple(t["shape"]))
+        if t["variant"] != "plain" and base is not None and "ours" in base["impls"]:
+            row["vs_plain_pct"] = {
+                phase: 100 * (ours[f"{phase}_graph_us"] / base["impls"]["ours"][f"{phase}_graph_us"] - 1)
+                for phase in PHASES}
+        rows.append(row)
+    return rows
+
+
+def peer_comparison_lines(rows: list[dict]) -> list[str]:
+    lines = ["ours vs the fastest peer, GPU time (+ = ours slower):"]
+    for row in rows:
+        parts = []
+        for phase in PHASES:
+            if phase in row:
+                c = row[phase]
+                parts.append(f"{phase} {c['ours_us']:7.1f} us ({c['ours_pct']:3.0f} %) vs "
+                             f"{c['best_peer']} {c['best_peer_us']:7.1f}: {c['slower_pct']:+5.1f} %")
+        if "fwd_bwd" in row:
+            c = row["fwd_bwd"]
+            parts.append(f"fwd+bwd {c['speedup']:.2f}x {c['best_peer']} "
+                         f"(floor allows {c['max_possible_speedup']:.2f}x)")
+        if "vs_plain_pct" in row:
+            parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(**row["vs_plain_pct"]))
+        lines.append(f"  {row['label']:28s} " + " | ".join(parts))
+    return lines
+
+
+def summary_lines(results: dict) -> list[str]:
+    """The table printed at the end of a run: per case, the floor and every implementation."""
+    env = results["env"]
+    lines = [f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  fla {env.get('fla')}  "
+             f"copy ceiling {results['ceiling']['GBps']:.0f} GB/s",
+             f"{'shape':30s} {'impl':14s} {'fwd us':>8s} {'%':>4s} | {'bwd us':>8s} {'%':>4s} "
+             f"|| eager: {'fwd us':>8s} {'bwd us':>8s}   (GPU time in a CUDA graph; % of the ceiling)"]
+    for entry in results["timings"]:
+        floor = entry["floor_us"]
+        lines.append(f"{entry['label']:30s} {'floor':14s} {floor['fwd']:8.1f} {'':>4s} | {floor['bwd']:8.1f}")
+        for name, r in entry["impls"].items():
+            lines.append(f"{'':30s} {name:14s} {r['fwd_graph_us']:8.1f} {r['fwd_graph_pct']:4.0f} | "
+                         f"{r['bwd_graph_us']:8.1f} {r['bwd_graph_pct']:4.0f} ||        "
+                         f"{r['fwd_us']:8.1f} {r['bwd_us']:8.1f}")
+        if entry.get("inference"):
+            lines.append(f"{'':30s} inference entry: {entry['inference']}")
+    return lines
+
+
+def write_csv(results: dict, path: str) -> None:
+    """One row per (case, implementation)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for entry in results["timings"]:
+            for name, r in entry["impls"].items():
+                writer.writerow({"label": entry["label"], "rows": entry["rows"], "impl": name,
+                                 **{k: r[k] for k in CSV_FIELDS[3:]}})
+
+
+def plot_pct(r: dict, phase: str) -> float:
+    """GPU time (graph) where it was measured, else the eager time; 0 when not timed."""
+    pct = r.get(f"{phase}_graph_pct", float("nan"))
+    return pct if _finite(pct) else r.get(f"{phase}_pct", 0)
+
+
+def plot(results: dict, path: str) -> None:
+    """% of the copy ceiling per case and implementation, forward above, backward below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timings = results["timings"]
+    labels = [f"{t['label']}\n{t['rows'] // 1024}k rows" for t in timings]
+    impls = [k for k in PLOT_ORDER if any(k in t["impls"] for t in timings)]
+    fig, axes = plt.subplots(2, 1, figsize=(max(10, 0.85 * len(labels) + 2), 9), sharex=True)
+    width = 0.8 / len(impls)
+    for ax, phase in zip(axes, PHASES):
+        for i, impl in enumerate(impls):
+            values = [plot_pct(t["impls"].get(impl, {}), phase) for t in timings]
+            ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(labels))], values,
+                   width, label=impl)
+        ax.axhline(100, color="k", lw=0.8, ls="--")
+        ax.set_title(f"{'forward' if phase == 'fwd' else 'backward'}: % of the copy ceiling "
+                     f"({results['ceiling']['GBps']:.0f} GB/s), GPU time (CUDA graph)")
+        ax.set_ylim(0, 120)
+        ax.set_ylabel("% of copy bandwidth (higher is better)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks(range(len(labels)))
+    axes[1].set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    axes[0].legend(fontsize=8, ncol=len(impls))
+    env = results["env"]
+    fig.suptitle(f"Fused gated RMSNorm, bf16, {env['gpu']}, torch {env['torch']}, "
+                 f"triton {env['triton']} ({env['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    """Print the comparison and (re)write benchmark.csv and benchmark.png under ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    for line in peer_comparison_lines(peer_comparison(results)):
+        log(line)
+    write_csv(results, os.path.join(out_dir, "benchmark.csv"))
+    plot(results, os.path.join(out_dir, "benchmark.png"))

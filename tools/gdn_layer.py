@@ -1,0 +1,504 @@
+"""Megatron's GatedDeltaNet layer (core.ssm.GatedDeltaNet from core.models.get_gdn_module_spec,
+no Transformer Engine needed) with FLA's kernels, bf16, fused_gated_norm off vs on, at the GDN
+shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
+
+  * parity: the norm section on the layer's own tensors (bitwise share against megatron's
+    unfused _apply_gated_norm, eager and as jit_fuser compiles it; out, dx, dgate, dW errors
+    against float64), and the whole layer's errors against an fp32 copy of it;
+  * speed and memory: forward + backward time (CUDA events, median) and peak memory of the
+    layer, S=4096 B=1 and S=8192 B=2;
+  * where the gain comes from: the output-norm section alone, its GPU time per kernel
+    (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
+
+    python tools/gdn_layer.py [--out DIR] [--parts parity,perf,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
+    torchrun --nproc-per-node 2 tools/gdn_layer.py --tp 2 [--out DIR]   # -> DIR/gdn_layer_tp2.json
+    python tools/gdn_layer.py --cpu --out DIR     # tiny shapes on the CPU (a dry run of this script)
+
+With ``--tp N`` (N processes, NCCL) it records, per case of core.testing.gdn_tp (flag on and
+off, sequence parallelism, fp32/bf16 params, DDP grad_reduce_in_fp32 and the distributed
+optimizer on and off), the out_norm dW after megatron's finalize_model_grads against TP = 1 and
+whether every rank holds the same bits.
+
+The pass/fail checks of the same quantities are tests/gpu/test_gdn_layer_gpu.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+QWEN3_NEXT = dict(hidden_size=2048, num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                  value_head_dim=128)
+TINY = dict(hidden_size=64, num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16)
+GPU_SHAPES = ((4096, 1), (8192, 2))  # (sequence, batch)
+CPU_SHAPES = ((64, 2),)
+PARTS = ("parity", "perf", "breakdown")
+# Layer tensors with at least this many elements estimate their error against the fp32 layer
+# well; the few-element parameters (one value per head: A_log, dt_bias; out_norm.weight) do not.
+WELL_SAMPLED = {"cuda": 2**16, "cpu": 2**10}
+
+
+@dataclasses.dataclass
+class LayerSetup:
+    """Where and at which sizes the layer runs. The CPU needs core.testing.cpu's shims."""
+
+    device: str = "cuda"
+    sizes: dict = dataclasses.field(default_factory=lambda: dict(QWEN3_NEXT))
+    tp: int = 1
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def make_module(self, fused: bool, dtype=torch.bfloat16, deterministic: bool = False, **extra):
+        from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights
+
+        config = gdn_config(params_dtype=dtype, fused_gated_norm=fused,
+                            deterministic_mode=deterministic or self.cpu,
+                            tensor_model_parallel_size=self.tp, **self.sizes, **extra)
+        module = build_gdn_module(config, seed=1234)
+        randomize_norm_weights(module)
+        return module
+
+    def inputs(self, seq: int, batch: int, dtype=torch.bfloat16, seed: int = 0):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        size = (seq, batch, self.sizes["hidden_size"])
+        x = torch.randn(size, generator=gen).to(self.device, dtype)
+        dy = torch.randn(size, generator=gen).to(self.device, dtype) * 0.1
+        return x, dy
+
+    def sync(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+
+def fwd_bwd(module, x, dy):
+    """(output, input grad, {param name: grad}) of one forward + backward."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = module(x, attention_mask=None)[0]
+    out.backward(dy)
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads
+
+
+def bitwise_share(a, b) -> float:
+    return (a == b).float().mean().item()
+
+
+def max_ulp(a, b) -> int:
+    from core.fusions.gated_norm_reference import ulp_distance
+
+    return int(ulp_distance(a, b).max().item()) if a.numel() else 0
+
+
+def norm_section_inputs(module, x, dy):
+    """The (core_attn_out, gate) that the layer hands its output norm and the gradient arriving
+    at the norm's output, recorded during one forward/backward of ``module``."""
+    seen = {}
+    original = module._apply_gated_norm
+
+    def record(xn, gate):
+        seen["x"], seen["gate"] = xn.detach().clone(), gate.detach().clone()
+        out = original(xn, gate)
+        out.register_hook(lambda g: seen.__setitem__("dout", g.detach().clone()))
+        return out
+
+    module._apply_gated_norm = record
+    try:
+        fwd_bwd(module, x, dy)
+    finally:
+        del module._apply_gated_norm
+    return seen["x"], seen["gate"], seen["dout"]
+
+
+def norm_section_parity(off, on, x_in, dy) -> dict:
+    """The fused norm against megatron's unfused ``_apply_gated_norm`` (eager as written, and as
+    it runs with jit_fuser) on the layer's real tensors: the forward's bits, and out, dx, dgate,
+    dW against a float64 evaluation of the same section."""
+    from core.fusions.gated_norm_reference import relative_error, unfused_gated_norm
+    from core.testing.gdn import eager_megatron_gdn
+
+    xn, gate, dout = norm_section_inputs(off, x_in, dy)
+    weight = off.out_norm.weight
+
+    def run(module):
+        leaves = [t.detach().requires_grad_(True) for t in (xn, gate)]
+        module.zero_grad(set_to_none=True)
+        out = module._apply_gated_norm(*leaves)
+        out.backward(dout.reshape(out.shape))
+        # megatron's unfused path returns [B * S * H, D] rows; compare everything as [B, S, H, D]
+        return (out.detach().reshape(xn.shape), leaves[0].grad, leaves[1].grad,
+                module.out_norm.weight.grad.detach().clone())
+
+    fused = run(on)
+    with eager_megatron_gdn():
+        eager = run(off)
+    jit = run(off)
+    # float64: the same function with no rounding anywhere
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (xn, gate, weight)]
+    out64 = unfused_gated_norm(*leaves64, off.config.layernorm_epsilon, on.out_norm_zero_centered,
+                               on.gate_activation)
+    out64.backward(dout.double().reshape(out64.shape))
+    exact = (out64.detach().reshape(xn.shape), *[t.grad for t in leaves64])
+    errors = {name: {"fused": relative_error(fused[i], exact[i]),
+                     "unfused_eager": relative_error(eager[i], exact[i]),
+                     "unfused_jit": relative_error(jit[i], exact[i])}
+              for i, name in ((1, "dx"), (2, "dgate"), (3, "dweight"), (0, "out"))}
+    return {"elements": xn.numel(), "eps": off.config.layernorm_epsilon,
+            "weight_dtype": str(weight.dtype),
+            "out_bitwise_vs_eager": bitwise_share(fused[0], eager[0]),
+            "out_max_ulp_vs_eager": max_ulp(fused[0], eager[0]),
+            "out_bitwise_vs_jit": bitwise_share(fused[0], jit[0]),
+            "eager_bitwise_vs_jit": bitwise_share(eager[0], jit[0]),
+            "rel_err_vs_float64": errors,
+            "worst_err_ratio_fused_over_eager": max(
+                e["fused"] / max(e["unfused_eager"], 1e-300) for e in errors.values())}
+
+
+def layer_parity(setup: LayerSetup, seq: int, batch: int) -> dict:
+    """Flag on vs off (jit and eager) against an fp32 copy of the layer (megatron's torch chunk
+    path, deterministic_mode: the same math, no FLA autotuning for fp32), and the norm section."""
+    from core.fusions.gated_norm_reference import relative_error
+    from core.testing.gdn import eager_megatron_gdn
+
+    off, on = setup.make_module(False), setup.make_module(True)
+    on.load_state_dict(off.state_dict())
+    ref32 = setup.make_module(False, dtype=torch.float32, deterministic=True)
+    ref32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                           for k, v in off.state_dict().items()})
+    x, dy = setup.inputs(seq, batch)
+    r_on, r_off, r_off2 = fwd_bwd(on, x, dy), fwd_bwd(off, x, dy), fwd_bwd(off, x, dy)
+    with eager_megatron_gdn():
+        r_eager = fwd_bwd(off, x, dy)
+    r_32 = fwd_bwd(ref32, x.float(), dy.float())
+    del ref32
+    # One differing norm element changes the whole out_proj row of its token, so the layer is
+    # compared by its error against the fp32 layer; flag off twice shows the run-to-run noise.
+    res = {"shape": f"S={seq} B={batch}",
+           "out_bitwise_off_vs_off": bitwise_share(r_off[0], r_off2[0]),
+           "out_bitwise_on_vs_off_jit": bitwise_share(r_on[0], r_off[0]),
+           "out_bitwise_on_vs_off_eager": bitwise_share(r_on[0], r_eager[0])}
+    picks = {"output": lambda r: r[0], "input": lambda r: r[1]}
+    picks.update({n: (lambda r, n=n: r[2][n]) for n in sorted(r_on[2])})
+    errors = {}
+    for name, pick in picks.items():
+        e = {"elements": pick(r_on).numel(), "err_on": relative_error(pick(r_on), pick(r_32)),
+             "err_off_jit": relative_error(pick(r_off), pick(r_32)),
+             "err_off_eager": relative_error(pick(r_eager), pick(r_32))}
+        e["ratio_on_over_worse_off"] = e["err_on"] / max(e["err_off_jit"], e["err_off_eager"], 1e-300)
+        errors[name] = e
+    res["rel_err_vs_fp32_layer"] = errors
+    well_sampled = WELL_SAMPLED[setup.device]
+    res["well_sampled_elements"] = well_sampled
+    res["worst_layer_err_ratio_well_sampled"] = max(
+        e["ratio_on_over_worse_off"] for e in errors.values() if e["elements"] >= well_sampled)
+    res["norm_section"] = norm_section_parity(off, on, x, dy)
+    return res
+
+
+def timings_ms(setup: LayerSetup, fn, iters: int, warmup: int = 3) -> list:
+    """Wall times of ``iters`` calls of fn() in ms (CUDA events; on the CPU perf_counter)."""
+    for _ in range(warmup):
+        fn()
+    setup.sync()
+    times = []
+    for _ in range(iters):
+        if setup.cpu:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def measure(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
+    """Peak memory above the inputs (GPU) and forward + backward time of the layer."""
+    module = setup.make_module(fused)
+    x, dy = setup.inputs(seq, batch, seed=2)
+    xr = x.detach().clone().requires_grad_(True)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        xr.grad = None
+        module(xr, attention_mask=None)[0].backward(dy)
+
+    res = {}
+    times = timings_ms(setup, step, iters)
+    if not setup.cpu:
+        torch.cuda.empty_cache()
+        module.zero_grad(set_to_none=True)
+        xr.grad = None
+        setup.sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        setup.sync()
+        res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    res.update(fwd_bwd_ms_median=statistics.median(times), fwd_bwd_ms_min=min(times))
+    return res
+
+
+def kernel_group(name: str) -> str:
+    """'copies', 'fills' or 'rest' (the norm and gate math) for a profiled kernel name."""
+    low = name.lower()
+    if low.startswith("triton") or "gated_norm" in low:  # compiled math (inductor names carry
+        return "rest"                                    # "_to_copy" for the casts) or ours
+    if "copy" in low or "memcpy" in low:
+        return "copies"
+    if "fill" in low or "zero" in low or "memset" in low:
+        return "fills"
+    return "rest"
+
+
+def kernel_times_ms(setup: LayerSetup, step, iters: int) -> tuple[dict, dict]:
+    """GPU time of each kernel of one ``step()`` in ms and its launches per step (means over
+    ``iters`` steps), from the profiler's device activity; on the CPU, the self CPU time and
+    calls of each aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU if setup.cpu else ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        setup.sync()
+    times, calls = {}, {}
+    for event in prof.key_averages():
+        if setup.cpu:
+            us = event.self_cpu_time_total if event.key.startswith("aten::") else 0
+        elif str(getattr(event, "device_type", "")).split(".")[-1] == "CUDA":
+            us = event.self_device_time_total
+        else:
+            us = 0
+        if us:
+            times[event.key] = times.get(event.key, 0.0) + us / 1e3 / iters
+            calls[event.key] = calls.get(event.key, 0.0) + event.count / iters
+    return times, calls
+
+
+def breakdown(setup: LayerSetup, seq: int, batch: int, iters: int) -> dict:
+    """The output-norm section of the layer alone, forward + backward, at the layer's shapes and
+    layouts: the gate is a slice of the packed in_proj output ([S, B, W] transposed to
+    [B, S, W]), the norm input FLA's contiguous [B, S, H, D] output. Unfused = megatron's code
+    as it runs in training: gate.contiguous(), _apply_gated_norm, then reshape + transpose(0, 1)
+    .contiguous(). Fused = our module's _apply_gated_norm on the gate view (sbhd output, so the
+    same reshape + transpose + .contiguous() is free). Gain from the kernels = rest(unfused) -
+    rest(fused); gain from the copies = copies(unfused) - copies(fused), per-kernel GPU time."""
+    off, on = setup.make_module(False), setup.make_module(True)
+    on.load_state_dict(off.state_dict())
+    heads = setup.sizes["num_value_heads"] // setup.tp
+    dim = setup.sizes["value_head_dim"]
+    width = off.in_proj.weight.shape[0]  # local qkvzba width
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    packed = torch.randn(seq, batch, width, generator=gen).to(setup.device, torch.bfloat16)
+    z0 = 2 * setup.sizes["num_key_heads"] * setup.sizes["key_head_dim"] // setup.tp + heads * dim
+    x = torch.randn(batch, seq, heads, dim, generator=gen).to(setup.device, torch.bfloat16)
+    dy = torch.randn(seq, batch, heads * dim, generator=gen).to(setup.device, torch.bfloat16)
+    packed.requires_grad_(True)
+    x.requires_grad_(True)
+
+    def gate_view():
+        return packed.transpose(0, 1)[..., z0:z0 + heads * dim].unflatten(-1, (heads, dim))
+
+    def to_sbhd(y):
+        return y.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+    def run(fn):
+        def step():
+            x.grad = packed.grad = None
+            off.zero_grad(set_to_none=True)
+            on.zero_grad(set_to_none=True)
+            fn().backward(dy)
+        return step
+
+    variants = {"unfused": run(lambda: to_sbhd(off._apply_gated_norm(x, gate_view().contiguous()))),
+                "fused": run(lambda: to_sbhd(on._apply_gated_norm(x, gate_view())))}
+    res = {"shape": f"S={seq} B={batch}"}
+    for name, step in variants.items():
+        wall = statistics.median(timings_ms(setup, step, iters))  # warms up (and compiles) too
+        kernels, calls = kernel_times_ms(setup, step, iters)
+        groups = {"copies": 0.0, "fills": 0.0, "rest": 0.0}
+        for kernel, ms in kernels.items():
+            groups[kernel_group(kernel)] += ms
+        res[name] = {"wall_ms": wall, "kernel_ms": sum(kernels.values()),
+                     **{f"{g}_ms": v for g, v in groups.items()},
+                     "copy_calls": sum(n for k, n in calls.items() if kernel_group(k) == "copies"),
+                     "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    u, f = res["unfused"], res["fused"]
+    res.update(gain_wall_ms=u["wall_ms"] - f["wall_ms"], gain_kernel_ms=u["kernel_ms"] - f["kernel_ms"],
+               gain_from_kernels_ms=u["rest_ms"] - f["rest_ms"],
+               gain_from_copies_ms=u["copies_ms"] - f["copies_ms"],
+               gain_from_fills_ms=u["fills_ms"] - f["fills_ms"])
+    return res
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = [f"megatron GatedDeltaNet, bf16, FLA kernels ({results['device']}, "
+             f"jit_fuser={results['jit_fuser']})"]
+    p = results.get("parity")
+    if p:
+        n = p["norm_section"]
+        lines.append(f"parity {p['shape']}: norm section fused vs unfused eager {n['out_bitwise_vs_eager']:.7f} "
+                     f"bitwise (max {n['out_max_ulp_vs_eager']} ulp), worst error ratio vs float64 "
+                     f"{n['worst_err_ratio_fused_over_eager']:.6f}; whole layer worst error ratio "
+                     f"{p['worst_layer_err_ratio_well_sampled']:.3f}")
+    for shape, on in ((k[:-3], v) for k, v in results.get("perf", {}).items() if k.endswith(" on")):
+        off = results["perf"][f"{shape} off"]
+        lines.append(f"layer {shape}: fwd+bwd {off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
+                     f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x), peak "
+                     f"{off.get('peak_mib', float('nan')):.1f} -> {on.get('peak_mib', float('nan')):.1f} MiB")
+    for b in results.get("breakdown", {}).values():
+        lines.append(f"norm section {b['shape']}: GPU kernels {b['unfused']['kernel_ms']:.3f} -> "
+                     f"{b['fused']['kernel_ms']:.3f} ms (norm + gate kernels {b['gain_from_kernels_ms']:.3f}, "
+                     f"copies {b['gain_from_copies_ms']:.3f})")
+    return lines
+
+
+def init_single_process(setup: LayerSetup) -> None:
+    """parallel_state with TP = 1 in this one process (gloo on the CPU, NCCL on the GPU)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if setup.cpu:
+        from core.testing.cpu import init_cpu_model_parallel
+
+        init_cpu_model_parallel(tp_size=1)
+        return
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1,
+                                             device_id=torch.device("cuda", 0))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+TP_SEQ = 256
+
+
+def tensor_parallel_grads(tp: int) -> dict:
+    """One rank of a TP run started by torchrun: the TP = 1 reference on every rank (same seeds),
+    then TP = ``tp``; per case, the out_norm dW's relative error against TP = 1, its tolerance
+    and whether all ranks hold the same bits."""
+    import tempfile
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from core.testing.gdn_tp import CASES, case_name, make_reference, ref_key, rel_err, run_rank, tolerance
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = torch.distributed.get_rank()
+    sizes = dict(QWEN3_NEXT)
+    hidden = sizes.pop("hidden_size")
+    scratch = tempfile.mkdtemp(prefix=f"gdn_tp_rank{rank}_")
+    ref_path = os.path.join(scratch, "ref.pt")
+    for size in (1, tp):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        if size == 1:
+            make_reference(ref_path, seq=TP_SEQ, batch=2, deterministic_mode=True, hidden_size=hidden, **sizes)
+    results = run_rank(rank, tp, ref_path, os.path.join(scratch, f"tp_rank{rank}.pt"))
+    ref = torch.load(ref_path, weights_only=False)["ref"]
+    summary = {}
+    for case in CASES:
+        got = results[case_name(case)]["after"]
+        gathered = [torch.zeros_like(got).cuda() for _ in range(tp)]
+        torch.distributed.all_gather(gathered, got.cuda())
+        summary[case_name(case)] = {"rel_err_vs_tp1": rel_err(got, ref[ref_key(case)]["dw"]),
+                                    "tolerance": tolerance(case),
+                                    "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered)}
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
+    args = parser.parse_args(argv)
+    if args.tp > 1:
+        from tools.bench_common import environment, write_json
+
+        results = {"env": environment(), "tp": tensor_parallel_grads(args.tp)}
+        if torch.distributed.get_rank() == 0:
+            print(f"wrote {write_json(results, args.out, f'gdn_layer_tp{args.tp}.json')}")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
+    parts = args.parts.split(",")
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    if args.cpu:
+        from core.testing.cpu import install_cpu_shims
+
+        install_cpu_shims()
+        setup, shapes, iters = LayerSetup("cpu", dict(TINY)), CPU_SHAPES, 2
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gdn_layer.py needs a CUDA GPU (--cpu for a dry run)")
+        if args.no_jit:
+            import megatron.core.jit as mjit
+
+            mjit.disable_jit_fuser()
+        setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters
+    init_single_process(setup)
+    if setup.cpu:
+        results = {"device": "cpu", "torch": torch.__version__}
+    else:
+        from tools.bench_common import environment
+
+        results = {"env": environment(), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results["jit_fuser"] = not (args.no_jit or args.cpu)
+    path = os.path.join(args.out, "gdn_layer.json")
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    if "parity" in parts:
+        results["parity"] = layer_parity(setup, *shapes[0])
+        save()
+    if "perf" in parts:
+        results["perf"] = {}
+        for seq, batch in shapes:
+            for fused in (False, True):
+                results["perf"][f"S={seq} B={batch} {'on' if fused else 'off'}"] = measure(
+                    setup, seq, batch, fused, iters)
+                save()
+    if "breakdown" in parts:
+        results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)
+                                for seq, batch in shapes}
+        save()
+    for line in summary_lines(results):
+        print(line)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

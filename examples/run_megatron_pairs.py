@@ -251,7 +251,8 @@ def table(summary: dict) -> str:
         lines.append(
             f"{name:<22}{'%s/%s' % tuple(pair['gdn_layers_fused']):>10}"
             f"{'%d/%d' % (loss['leading_bitwise_equal'], loss['iterations'][1]):>9}"
-            f"{_fmt(loss['max_abs_diff_first_10'], '.2e'):>14}{_fmt(loss['max_abs_diff'], '.2e'):>10}"
+            f"{_fmt(loss['max_abs_diff_first_10'], '.2e'):>14}"
+            f"{_fmt(loss['max_abs_diff'], '.2e'):>10}"
             f"{'%.5f/%.5f' % tuple(loss['mean_last_10']):>22}"
             f"{_fmt(speeds[0], '.0f') + '/' + _fmt(speeds[1], '.0f'):>20}"
             f"{_fmt(mem[0], '.1f') + '/' + _fmt(mem[1], '.1f'):>22}")

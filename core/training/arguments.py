@@ -101,7 +101,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
 def _flags_named_in(message: str) -> list[str]:
     """The command-line flags (as megatron's parser spells them) of the config fields named in
     ``message``, in order of mention."""
-    parser = add_gdn_fusion_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = add_gdn_fusion_args(add_megatron_arguments(parser))
     options = {}
     for action in parser._actions:
         options.setdefault(action.dest, []).extend(action.option_strings)

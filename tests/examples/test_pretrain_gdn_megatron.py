@@ -95,13 +95,13 @@ def test_driver_comparisons():
 def test_pairs_through_megatrons_training_loop(tmp_path):
     out = tmp_path / "pairs"
     cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1",
-           "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--ckpt-format", "torch"]
+           "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--ckpt-format", "torch_dist"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loaded iteration 2" in proc.stdout
     with open(out / "summary.json") as f:
         summary = json.load(f)
-    assert summary["ckpt_format"] == "torch" and summary["steps"] == STEPS
+    assert summary["ckpt_format"] == "torch_dist" and summary["steps"] == STEPS
 
     assert list(summary["pairs"]) == ["tp1"]
     for name, pair in summary["pairs"].items():

@@ -3,13 +3,15 @@ train a GatedDeltaNet model on a machine without CUDA lives in this one module.
 
 Test-side only: the library (``core.*`` outside ``core.testing``) never imports this module
 (``grep -rn "core.testing" core/ --include=*.py | grep -v "^core/testing"`` finds nothing).
-Used by the tests and by the CPU pretraining example (examples/pretrain_gdn.py). Everything
+Used by the tests and by the CPU runs of the examples (examples/pretrain_gdn.py, and
+examples/pretrain_gdn_megatron.py, megatron's own training loop). Everything
 here patches megatron-core, torch or triton in-process; nothing is written to disk except a
 file-based rendezvous.
 
     from core.testing.cpu import install_cpu_shims, init_cpu_model_parallel
     install_cpu_shims()                       # layer level: before importing megatron's GDN
     install_cpu_shims(training=True)          # + DDP / optimizer / grad clipping / attention
+    install_cpu_shims(training_loop=True)     # + megatron.training.pretrain (implies training)
     init_cpu_model_parallel(tp_size=1)        # gloo group + parallel_state + RNG tracker
 
     with cpu_tensor_types():                  # while building and stepping megatron's optimizer
@@ -48,6 +50,35 @@ writer of ``megatron.core.dist_checkpointing``), and checks
     steps) in which ``Tensor.type()`` of a CPU tensor reports the CUDA type name, so megatron's
     dtype dispatch picks the same branch as on a GPU.
 
+Training-loop level (``install_cpu_shims(training_loop=True)``): megatron.training's
+``pretrain`` (initialize, model and optimizer setup, data, ``train_step``, logging, checkpoint
+save and load) on gloo. Where megatron-core 0.19.2's loop asks for CUDA (line numbers of the
+wheel), and what stands in:
+
+  * ``training/initialize.py`` ``initialize_megatron`` l.66 ``assert torch.cuda.is_available()``
+    (``pretrain`` does not pass ``allow_no_cuda``): ``megatron.training.training`` calls it with
+    ``allow_no_cuda=True``, megatron's own switch for CPU use.
+  * ``_initialize_distributed`` l.270/358 and ``_set_random_seed`` l.447 set up model
+    parallelism and the RNG tracker only if ``torch.cuda.device_count() > 0``: the proxy's
+    ``torch.cuda`` reports one device (the CPU) and ``set_device`` does nothing.
+  * ``set_jit_fusion_options`` -> ``_warmup_jit_function`` l.508 (``torch.rand(device="cuda")``)
+    warms up torch.compile'd fusions: skipped (the jit fuser is off), and module-level functions
+    compiled before the fuser was turned off go back to eager.
+  * ``training/arguments.py`` ``validate_args`` l.1414 reads the GPU architecture at TP > 1
+    (``torch.cuda.get_device_properties``): answered 9 (Hopper, the H200).
+  * ``core/timers.py`` ``Timer.start`` l.152 (``torch.cuda.synchronize``),
+    ``training/training.py`` ``pretrain`` l.1131/1137 (``device='cuda'`` start-time tensors),
+    ``training/models/dist_utils.py`` ``_ddp_wrap`` l.303 (``torch.cuda.Stream``),
+    ``core/rerun_state_machine.py`` ``_save_state`` l.979 and ``training/checkpointing.py``
+    ``get_rng_state`` l.417 (``torch.cuda.get_rng_state``, the CPU generator here): the
+    ``torch`` proxy of the training level in those modules (:data:`TRAINING_LOOP_MODULES`; the
+    ``torch_dist`` writer's synchronisation is already in the training level's).
+  * ``core/optimizer/clip_grads.py`` ``clip_grad_by_total_norm_fp32`` l.174
+    (``param.grad.type() == 'torch.cuda.FloatTensor'``): megatron's optimizer is built and
+    stepped under :func:`cpu_tensor_types`.
+  * ``dist_utils.unimodal_build_distributed_models`` l.174 moves the model with
+    ``module.cuda()`` unless ``--use-cpu-initialization``: the CPU runs pass that flag.
+
 One speed stand-in, CPU only, not a correctness shim: megatron's GatedDeltaNet normalises
 query/key with FLA's Triton ``l2norm``, which in the interpreter costs ~25 s per training step
 at the example's default CPU size (one Python-emulated program per 8 rows).
@@ -69,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import logging
 import os
@@ -81,6 +113,7 @@ import torch
 
 _INSTALLED = False
 _TRAINING_INSTALLED = False
+_TRAINING_LOOP_INSTALLED = False
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -125,7 +158,8 @@ def _unwrap_compiled(cls) -> None:
             setattr(cls, name, orig)
 
 
-def install_cpu_shims(share_storage_copy: bool = True, training: bool = False) -> None:
+def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
+                      training_loop: bool = False) -> None:
     """Install the layer-level shims listed in the module docstring (and, with
     ``training=True``, the training-level ones too). Idempotent; call it before importing
     ``core.ssm`` or megatron's ``gated_delta_net`` (already-imported modules are fixed up too).
@@ -135,8 +169,10 @@ def install_cpu_shims(share_storage_copy: bool = True, training: bool = False) -
     training: also :func:`install_cpu_training_shims` (DDP, optimizer, grad clipping, local
     attention, and the torch l2norm speed stand-in)."""
     _install_layer_shims(share_storage_copy)
-    if training:
+    if training or training_loop:
         install_cpu_training_shims()
+    if training_loop:
+        install_cpu_training_loop_shims()
 
 
 def _install_layer_shims(share_storage_copy: bool) -> None:
@@ -193,8 +229,18 @@ TRAINING_MODULES = (
     # dist_checkpointing's torch_dist writer synchronises CUDA after staging tensors on the host
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
+# Modules of megatron.training's loop with `device='cuda'` literals, CUDA stream /
+# synchronisation or CUDA RNG calls on pretrain's path (checkpoint save and load included).
+TRAINING_LOOP_MODULES = (
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.models.dist_utils",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+    "megatron.training.checkpointing",
+)
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
-              "empty_like", "full_like", "arange")
+              "empty_like", "full_like", "arange", "rand", "randn")
 
 
 def _cpu_device(device):
@@ -237,6 +283,13 @@ class _CpuCuda(types.ModuleType):
         self.synchronize = lambda *a, **k: None
         self.empty_cache = lambda *a, **k: None
         self.current_device = lambda: "cpu"
+        # The CPU is the one "device": megatron's initialize sets up model parallelism and the
+        # RNG tracker only when torch.cuda.device_count() > 0.
+        self.device_count = lambda: 1
+        self.set_device = lambda *a, **k: None
+        # The "CUDA" generator is the CPU generator (as in the layer shims' RNG tracker).
+        self.get_rng_state = _cpu_rng_state
+        self.set_rng_state = _set_cpu_rng_state
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -286,6 +339,59 @@ def install_cpu_training_shims() -> None:
     gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn_common.l2norm = torch_l2norm  # the CPU speed stand-in (module docstring)
     _TRAINING_INSTALLED = True
+
+
+def _optimizer_with_cuda_type_names(get_megatron_optimizer):
+    """megatron's get_megatron_optimizer built, and its step run, under :func:`cpu_tensor_types`
+    (what the examples do by hand around their own optimizer calls)."""
+
+    @functools.wraps(get_megatron_optimizer)
+    def build(*args, **kwargs):
+        with cpu_tensor_types():
+            optimizer = get_megatron_optimizer(*args, **kwargs)
+        step = optimizer.step
+
+        @functools.wraps(step)
+        def step_with_cuda_type_names(*step_args, **step_kwargs):
+            with cpu_tensor_types():
+                return step(*step_args, **step_kwargs)
+
+        optimizer.step = step_with_cuda_type_names
+        return optimizer
+
+    return build
+
+
+def install_cpu_training_loop_shims() -> None:
+    """The training-loop shims of the module docstring (installs the training-level ones first):
+    megatron.training's ``pretrain`` on the CPU. Idempotent; a no-op when CUDA is available.
+    Call before ``pretrain`` (megatron.training is imported here)."""
+    global _TRAINING_LOOP_INSTALLED
+    if _TRAINING_LOOP_INSTALLED or torch.cuda.is_available():
+        return
+    install_cpu_training_shims()
+    training = importlib.import_module("megatron.training.training")
+    training.initialize_megatron = functools.partial(training.initialize_megatron,
+                                                     allow_no_cuda=True)
+    # The jit fuser is off on the CPU: nothing to warm up, and functions torch.compile'd at
+    # import time (before the layer shims disabled the fuser) go back to eager.
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
+    # validate_args asks the GPU's architecture at TP/CP > 1: answer the H200's (Hopper, 9).
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 9
+    training.get_megatron_optimizer = _optimizer_with_cuda_type_names(
+        training.get_megatron_optimizer)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.") and mod is not None:
+            for attr, value in list(vars(mod).items()):
+                orig = getattr(value, "_torchdynamo_orig_callable", None)
+                if orig is not None and callable(value):
+                    setattr(mod, attr, orig)
+    proxy = _CpuTorch()
+    for name in TRAINING_LOOP_MODULES:
+        mod = importlib.import_module(name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    _TRAINING_LOOP_INSTALLED = True
 
 
 @contextlib.contextmanager

@@ -1,8 +1,12 @@
-"""megatron-core's TransformerConfig with the switches of the fused GDN output gated norm."""
+"""megatron-core's TransformerConfig with the switches of the fused GDN output gated norm.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: megatron's ArgumentGroupFactory (which builds
+megatron's command line from the config dataclass, see core.training.arguments) reads each
+field's type object, and postponed annotations would turn them into strings.
+"""
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.core.transformer.transformer_config import (
@@ -31,14 +35,21 @@ class TransformerConfig(_MegatronTransformerConfig):
     the layers of a built model that hold megatron's class instead. Requires
     normalization='RMSNorm' and activation_func (the GDN gate activation, which megatron also
     applies after the short convolution) F.silu, or torch.sigmoid with deterministic_mode (outside
-    deterministic mode megatron's convolution kernel takes silu only)."""
+    deterministic mode megatron's convolution kernel takes silu only). On megatron's command line
+    (core.training.arguments): --fused-gated-norm with --normalization RMSNorm and --swiglu (silu)."""
 
-    gdn_out_norm_zero_centered_gamma: Optional[bool] = None
+    gdn_out_norm_zero_centered_gamma: Optional[bool] = field(
+        default=None,
+        # Three states on the command line: unset (None) follows --apply-layernorm-1p.
+        metadata={"argparse_meta": {"arg_names": ["--gdn-out-norm-zero-centered-gamma"],
+                                    "action": argparse.BooleanOptionalAction}},
+    )
     """Zero-centred gamma (``w_eff = 1 + w``) for the GDN output norm only. None follows
     layernorm_zero_centered_gamma. Qwen3-Next's GDN output norm is NOT zero-centred while its
     other norms are: set layernorm_zero_centered_gamma=True and this to False to load such
     checkpoints without shifting the output-norm weight by 1. Honoured by the fused and the
-    unfused path alike."""
+    unfused path alike. On megatron's command line: --gdn-out-norm-zero-centered-gamma /
+    --no-gdn-out-norm-zero-centered-gamma (unset follows --apply-layernorm-1p)."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Pretrain a small Gated DeltaNet hybrid GPT with megatron's own training loop
+(``megatron.training.pretrain``), the fused GDN output norm switched by ``--fused-gated-norm``.
+
+    python examples/data/build_indexed.py --output-prefix runs/data/stdlib_docstrings
+    torchrun --nproc-per-node 2 examples/pretrain_gdn_megatron.py \\
+        --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local \\
+        --experimental-attention-variant gated_delta_net --linear-attention-freq 4 \\
+        --fused-gated-norm --recompute-granularity selective --recompute-modules gdn_norm_out \\
+        --data-path runs/data/stdlib_docstrings --split 949,50,1 \\
+        --tokenizer-type NullTokenizer --vocab-size 256 ...   (examples/run_megatron_pairs.py
+                                                               has complete command lines)
+
+Everything is megatron's except three functions, written as megatron 0.19's pretrain_gpt.py
+writes them: the model is a ``GPTModelConfig`` (megatron's ``gpt_config_from_args``) whose
+transformer config is ``core.training.transformer_config_from_args(args)`` and whose layer spec is
+megatron's GDN block spec passed through ``core.models.gdn_specs.use_fused_gdn``
+(:func:`gdn_block_spec`; a post-wrap hook runs ``assert_fused_gdn`` on the built model);
+:func:`forward_step` (megatron's TP broadcast of the batch, masked token loss) and
+:func:`train_valid_test_datasets_provider` (megatron's ``BlendedMegatronDatasetBuilder`` with
+``GPTDataset`` on ``--data-path``, or ``MockGPTDataset`` with ``--mock-data``). Logging, LR
+schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) are megatron's.
+
+``--gdn-metrics-out FILE`` also writes, from the last rank, one JSON record per training
+iteration: the exact loss (sum of masked token losses / tokens, as megatron's "lm loss" but
+unrounded), the wall time since the previous iteration, and the memory allocated between the
+start and the end of each micro-batch's forward (what the forward keeps for backward plus the
+output), for examples/run_megatron_pairs.py.
+
+Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cpu``'s shims
+(``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
+``--use-cpu-initialization``); docs/integration.md lists where megatron's loop needs them.
+"""
+
+import json
+import os
+import sys
+import time
+from functools import partial
+
+_PROGRAM_START = time.time()
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+HAS_CUDA = torch.cuda.is_available()
+# As megatron's launch scripts do (ordering of TP/SP communication and compute kernels).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+if not HAS_CUDA:
+    # Must happen before the first `import triton` anywhere (core.fusions, FLA, megatron).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from core.testing.cpu import install_cpu_shims  # noqa: E402
+
+    install_cpu_shims(training_loop=True)  # before megatron.training and the GDN are imported
+
+from megatron.core import mpu  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.gpt_dataset import (  # noqa: E402
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+)
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
+from megatron.core.utils import get_batch_on_this_tp_rank  # noqa: E402
+from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
+from megatron.training import set_startup_timestamps  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    gpt_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
+
+from core.models.gdn_specs import (  # noqa: E402
+    assert_fused_gdn,
+    get_gdn_hybrid_block_spec,
+    use_fused_gdn,
+)
+from core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
+from core.training import add_gdn_fusion_args, transformer_config_from_args  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------
+# Command line: megatron's, plus the fusion flags and this launcher's metrics file
+# ----------------------------------------------------------------------------------------------
+
+
+def add_launcher_args(parser):
+    """megatron extra_args_provider: the fusion flags (core.training) and --gdn-metrics-out."""
+    add_gdn_fusion_args(parser)
+    group = parser.add_argument_group(title="pretrain_gdn_megatron.py")
+    group.add_argument("--gdn-metrics-out", default=None,
+                       help="JSON file (written by the last rank): per training iteration the "
+                            "exact loss, wall time and forward activation memory")
+    return parser
+
+
+def check_launcher_scope(args) -> None:
+    """This launcher covers tensor, sequence and data parallelism of a GPT with GDN layers."""
+    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--context-parallel-size", args.context_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{flag} {value}: examples/pretrain_gdn_megatron.py runs tensor, "
+                             "sequence and data parallelism only (use 1)")
+    if args.experimental_attention_variant != "gated_delta_net":
+        raise ValueError("examples/pretrain_gdn_megatron.py trains a GDN hybrid: pass "
+                         "--experimental-attention-variant gated_delta_net (and "
+                         "--linear-attention-freq)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: megatron's GPTModelConfig with the GDN block spec passed through use_fused_gdn
+# ----------------------------------------------------------------------------------------------
+
+
+def gdn_block_spec(model_config, vp_stage=None):
+    """The layer spec of the GDN hybrid GPT, with our GatedDeltaNet (``use_fused_gdn``).
+
+    ``--transformer-impl transformer_engine``: megatron's own spec of the gated_delta_net
+    attention variant. ``local`` (no Transformer Engine): megatron has no GDN spec without TE
+    (its GDN in_proj is TE's norm-fused linear), so ``core.models.get_gdn_hybrid_block_spec``
+    builds the same layer pattern from megatron's local modules."""
+    config = model_config.transformer
+    if config.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        spec = get_transformer_block_with_experimental_attention_variant_spec(
+            config=config, vp_stage=vp_stage)
+    else:
+        spec = get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage)
+    return use_fused_gdn(spec)
+
+
+_GDN_LAYERS: dict = {}  # filled by check_fused_gdn, written to --gdn-metrics-out
+
+
+def check_fused_gdn(model_chunks):
+    """megatron post-wrap hook: refuse a model whose GDN layers would ignore the flag; count
+    the GDN layers (ours, and with the fused path on) for --gdn-metrics-out."""
+    assert_fused_gdn(model_chunks)
+    layers = [m for chunk in model_chunks for m in chunk.modules()
+              if isinstance(m, GatedDeltaNet)]
+    _GDN_LAYERS.update(count=len(layers), fused=sum(m.fused_gated_norm for m in layers))
+    return model_chunks
+
+
+def model_config_from_args(args):
+    """megatron's GPTModelConfig from the command line, with our transformer config and spec."""
+    model_config = gpt_config_from_args(args, config=transformer_config_from_args(args))
+    model_config.transformer_layer_spec = gdn_block_spec
+    model_config.post_wrap_hooks.append(check_fused_gdn)
+    return model_config
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: megatron's GPT datasets (indexed dataset of examples/data, or mock)
+# ----------------------------------------------------------------------------------------------
+
+
+def gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """megatron's GPT datasets, built on tensor-parallel rank 0 (the batch is broadcast)."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building train, validation and test datasets ({dataset_type.__name__}) ...")
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples,
+        lambda: mpu.get_tensor_model_parallel_rank() == 0,
+        gpt_dataset_config_from_args(args),
+    ).build()
+
+
+# megatron builds the datasets on TP rank 0 and broadcasts (pretrain_gpt.py sets the same).
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward step and the per-iteration record of --gdn-metrics-out
+# ----------------------------------------------------------------------------------------------
+
+_RECORDS: list[dict] = []  # one per training micro-batch
+
+
+def get_batch(data_iterator):
+    args = get_args()
+    batch = {}
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        batch = {key: value.to(torch.cuda.current_device(), non_blocking=True)
+                 if isinstance(value, torch.Tensor) else value
+                 for key, value in next(data_iterator).items()}
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=1,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+    )
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
+            batch["position_ids"])
+
+
+def loss_func(loss_mask: torch.Tensor, record, output_tensor: torch.Tensor):
+    """megatron's masked token loss: (sum, token count, {'lm loss': [sum, count]})."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if record is not None:
+        record["loss_sum"], record["tokens"] = loss.detach().clone(), num_tokens
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    record = None
+    if model.training and get_args().gdn_metrics_out:
+        record = {"iteration": get_args().curr_iteration + 1, "time": time.perf_counter()}
+        _RECORDS.append(record)
+    before = torch.cuda.memory_allocated() if HAS_CUDA else None
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels,
+                          loss_mask=loss_mask)
+    if record is not None and HAS_CUDA:
+        record["forward_kept_bytes"] = torch.cuda.memory_allocated() - before
+    return output_tensor, partial(loss_func, loss_mask, record)
+
+
+def write_metrics(path: str) -> None:
+    """The records of --gdn-metrics-out, grouped per iteration (last rank writes)."""
+    if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return
+    iterations = {}
+    for r in _RECORDS:
+        it = iterations.setdefault(r["iteration"], {"loss_sum": 0.0, "tokens": 0,
+                                                    "start": r["time"], "forward_kept_bytes": []})
+        it["loss_sum"] += float(r["loss_sum"])
+        it["tokens"] += int(r["tokens"])
+        if "forward_kept_bytes" in r:
+            it["forward_kept_bytes"].append(r["forward_kept_bytes"])
+    rows, previous = [], None
+    for number in sorted(iterations):
+        it = iterations[number]
+        rows.append({"iteration": number, "loss": it["loss_sum"] / it["tokens"],
+                     "tokens": it["tokens"],
+                     "seconds_since_previous": None if previous is None else it["start"] - previous,
+                     "forward_kept_bytes": max(it["forward_kept_bytes"], default=None)})
+        previous = it["start"]
+    args = get_args()
+    summary = {
+        "fused_gated_norm": args.fused_gated_norm,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "global_batch_size": args.global_batch_size,
+        "seq_length": args.seq_length,
+        "loaded_iteration": args.iteration if args.load else None,
+        "gdn_layers": _GDN_LAYERS.get("count"),
+        "gdn_layers_fused": _GDN_LAYERS.get("fused"),
+        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
+        "max_memory_allocated": torch.cuda.max_memory_allocated() if HAS_CUDA else None,
+        "iterations": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """megatron's initialize runs ``make`` in megatron/core/datasets to build its C++ dataset
+    helpers; the megatron-core wheel ships them prebuilt but without the Makefile, so ``make``
+    fails and megatron exits. With no Makefile there, import the prebuilt module instead."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    compile_helpers = dataset_utils.compile_helpers
+
+    def compile_or_import_helpers():
+        if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+            return compile_helpers()
+        from megatron.core.datasets import helpers_cpp  # noqa: F401  (the wheel's build)
+
+    dataset_utils.compile_helpers = compile_or_import_helpers
+
+
+def main() -> None:
+    set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
+    use_prebuilt_dataset_helpers()
+    args = parse_and_validate_args(extra_args_provider=add_launcher_args,
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    check_launcher_scope(args)
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config_from_args(args)),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+    if args.gdn_metrics_out:
+        write_metrics(args.gdn_metrics_out)
+
+
+if __name__ == "__main__":
+    main()

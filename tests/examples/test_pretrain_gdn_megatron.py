@@ -1,0 +1,131 @@
+"""examples/pretrain_gdn_megatron.py (megatron.training.pretrain of a GDN hybrid) through its
+driver examples/run_megatron_pairs.py, on the CPU (gloo, core.testing.cpu's training-loop
+shims): flag off and on at TP 1, megatron's checkpoints saved with the flag off and resumed with
+it on and the reverse (four launches; the driver's TP 2 pair, sequence parallel with
+gdn_norm_out recompute, runs the same way with ``--tp-sizes 1 2`` and is left to the GPU run
+to keep CI short); the indexed dataset of examples/data; the driver's comparisons."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DRIVER = os.path.join(ROOT, "examples", "run_megatron_pairs.py")
+STEPS, SAVE_AT = 3, 2
+# fp32 on the CPU: the fused kernel differs from megatron's unfused norm only in the fp32
+# summation order of mean(x^2); over a few steps the losses agree to a few fp32 ulps
+# (measured: 0 at TP 1, 1 at TP 2).
+MAX_ULPS_FP32 = 8
+
+
+def _module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ulps(x: float) -> float:
+    return MAX_ULPS_FP32 * float(numpy.spacing(numpy.float32(abs(x))))
+
+
+def test_indexed_dataset_is_the_corpus_in_bytes(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    build = _module(os.path.join(ROOT, "examples", "data", "build_indexed.py"), "build_indexed")
+    prefix = build.build_indexed_dataset(str(tmp_path / "corpus"))
+    dataset = IndexedDataset(prefix)
+    docs = build.documents()
+    assert len(dataset) == len(docs) == len(dataset.document_indices) - 1 > 1000
+    for i in (0, 1, len(docs) - 1):
+        tokens = dataset[i]
+        assert tokens.dtype == numpy.uint8 and tokens[-1] == build.EOD
+        assert bytes(tokens[:-1]) == docs[i]
+
+
+def test_indexed_dataset_refuses_a_corpus_with_the_eod_byte(tmp_path):
+    build = _module(os.path.join(ROOT, "examples", "data", "build_indexed.py"), "build_indexed")
+    corpus = tmp_path / "bad.txt"
+    corpus.write_bytes(b"text\n\nmore\xff text")
+    with pytest.raises(ValueError, match="byte 255 occurs in the corpus"):
+        build.build_indexed_dataset(str(tmp_path / "bad"), str(corpus))
+
+
+def _run(iterations, name, fused, loaded=None, layers=1, memory=None):
+    rows = []
+    for i, loss in iterations:
+        rows.append({"iteration": i, "loss": loss, "tokens": 64,
+                     "seconds_since_previous": None if i == iterations[0][0] else 0.5,
+                     "forward_kept_bytes": memory})
+    return {"name": name, "fused_gated_norm": fused, "iterations": rows, "gdn_layers": layers,
+            "gdn_layers_fused": layers if fused else 0, "global_batch_size": 2, "seq_length": 32,
+            "loaded_iteration": loaded, "max_memory_allocated": None, "device": "cpu"}
+
+
+def test_driver_comparisons():
+    driver = _module(DRIVER, "run_megatron_pairs")
+    its = range(1, 9)
+    off = _run([(i, 5.0 - 0.1 * i) for i in its], "tp1_off", False, memory=1000)
+    on = _run([(i, 5.0 - 0.1 * i + (0.0 if i < 4 else 1e-6 * i)) for i in its], "tp1_on", True,
+              memory=900)
+    pair = driver.pair_summary(off, on)
+    assert pair["losses"]["leading_bitwise_equal"] == 3
+    assert pair["losses"]["max_abs_diff"] == pytest.approx(8e-6)
+    assert pair["gdn_layers_fused"] == [0, 1]
+    assert pair["tokens_per_second"] == [128.0, 128.0] and pair["speedup"] == 1.0
+    assert pair["forward_kept_bytes"] == [1000, 900]
+    assert pair["forward_kept_ratio"] == pytest.approx(0.9)
+    resumed = _run([(i, 5.0 - 0.1 * i) for i in range(5, 9)], "tp1_off_resumed_on", True,
+                   loaded=4)
+    res = driver.resume_summary(off, resumed, on, save_at=4)
+    assert res["loaded_iteration"] == 4 and res["first_iteration"] == 5
+    assert res["vs_saver"]["max_abs_diff"] == 0.0
+    assert res["vs_uninterrupted_on"]["max_abs_diff"] == pytest.approx(8e-6)
+    text = driver.table({"device": "cpu", "steps": 8, "seed": 1, "ckpt_format": "torch",
+                         "pairs": {"tp1": pair}, "resumes": {"tp1_off_resumed_on": res}})
+    assert "tp1" in text and "3/8" in text and "loaded iteration 4" in text
+
+
+def test_pairs_through_megatrons_training_loop(tmp_path):
+    out = tmp_path / "pairs"
+    cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1",
+           "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--ckpt-format", "torch_dist"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "loaded iteration 2" in proc.stdout
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["ckpt_format"] == "torch_dist" and summary["steps"] == STEPS
+
+    assert list(summary["pairs"]) == ["tp1"]
+    for name, pair in summary["pairs"].items():
+        loss = pair["losses"]
+        layers = pair["gdn_layers"]
+        assert layers == 1 and pair["gdn_layers_fused"] == [0, layers], name
+        assert loss["iterations"] == [1, STEPS], name
+        assert all(math.isfinite(x) for x in loss["mean_last_10"]), name
+        assert loss["max_abs_diff"] <= _ulps(loss["mean_last_10"][0]), (name, loss)
+
+    for name, res in summary["resumes"].items():
+        assert res["loaded_iteration"] == SAVE_AT and res["first_iteration"] == SAVE_AT + 1
+        saver_loss, resumed_loss = res["first_loss"]
+        assert abs(resumed_loss - saver_loss) <= _ulps(saver_loss), (name, res)
+        key = next(k for k in res if k.startswith("vs_uninterrupted"))
+        assert res[key]["iterations"] == [SAVE_AT + 1, STEPS]
+        assert res[key]["max_abs_diff"] <= _ulps(saver_loss), (name, res)
+    assert set(summary["resumes"]) == {"tp1_off_resumed_on", "tp1_on_resumed_off"}
+
+    # megatron's own logging and checkpointing did the work
+    logs = out / "logs"
+    saver = (logs / "tp1_off.log").read_text()
+    assert f"iteration        {STEPS}/       {STEPS}" in saver and "lm loss:" in saver
+    assert f"successfully saved checkpoint from iteration       {SAVE_AT}" in saver
+    resumed = (logs / "tp1_off_resumed_on.log").read_text()
+    assert f"successfully loaded checkpoint from {out / 'checkpoints' / 'tp1_off'}" in resumed
+    assert (out / "checkpoints" / "tp1_on" / f"iter_{SAVE_AT:07d}").is_dir()

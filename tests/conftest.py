@@ -17,5 +17,5 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` "
                                    "on a machine with one (tests/gpu/README.md)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

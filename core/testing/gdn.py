@@ -36,6 +36,28 @@ def fla_gdn_backward_unavailable() -> str:
     return ""
 
 
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """The gated delta rule token by token in torch, with no host-to-device copy, so that a
+    CUDA graph can capture it (megatron's ``torch_chunk_gated_delta_rule``, the
+    ``deterministic_mode`` path, builds its initial state on the host). For the CUDA-graph tests,
+    where the rule itself is not under test. [B, T, H, D] inputs, fp32 state; per token:
+    ``S = exp(g) S;  S += k (beta (v - k^T S))^T;  o = (q / sqrt(Dk))^T S``."""
+    if initial_state is not None or output_final_state or use_qk_l2norm_in_kernel or cu_seqlens is not None:
+        raise NotImplementedError("recurrent_gated_delta_rule: megatron's training forward only")
+    dtype = v.dtype
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # [B, H, Dk, Dv]
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t, :, None, None].exp()
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outputs, dim=1).to(dtype), None
+
+
 def unwrap_jit_gdn_methods() -> dict:
     """Make megatron's jit_fuser-decorated GDN methods (norm + gate, input preparation) run as
     written, eagerly. torch.compile drops the intermediate rounding of the norm output, so the

@@ -186,6 +186,14 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
         torch.set_num_threads(1)
         device = torch.device("cpu")
         init_cpu_model_parallel(tp_size=1, rank=rank, world_size=tp_size, init_file=init_file)
+    if cuda_graphs:
+        # megatron's deterministic_mode rule is not capturable; every case of the run (TP 1
+        # included) takes the same capturable rule.
+        import megatron.core.ssm.gated_delta_net.gdn as gdn
+
+        from core.testing.gdn import recurrent_gated_delta_rule
+
+        gdn.torch_chunk_gated_delta_rule = recurrent_gated_delta_rule
     try:
         results = run_rank(rank, tp_size, device, cuda_graphs)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

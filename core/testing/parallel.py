@@ -413,6 +413,15 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
     return getattr(param, _get_main_grad_attr(param))
 
 
+def _tp_local(tensor: torch.Tensor, param, shape, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's part of ``tensor``: Megatron-FSDP's DTensors of tensor-parallel parameters
+    gather over TP as well (``full_tensor()`` gives the rank shards concatenated along
+    ``partition_dim``); anything already of the module's local ``shape`` is returned as is."""
+    if tensor.shape == shape or tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    return tensor.chunk(tp_size, dim=param.partition_dim)[tp_rank].clone()
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (Megatron-FSDP's main_grad / params) as its full tensor, on the CPU."""
     if hasattr(tensor, "full_tensor"):
@@ -479,6 +488,7 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
             names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in names}
         record["initial"] = {names[n]: initial[n].float() for n in names}
 
+    local_shapes = {n: p.shape for n, p in model.named_parameters()}
     wrapped, inner = _wrap(layout, config, model)
     with cpu_tensor_types():
         optimizer = get_megatron_optimizer(
@@ -495,13 +505,15 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         forward_only=False)
 
     params = dict(inner.named_parameters())
-    record["grads"] = {names[n]: _full(_main_grad(p)) for n, p in params.items()}
+    record["grads"] = {names[n]: _tp_local(_full(_main_grad(p)), p, local_shapes[n], coords["tp"],
+                                           layout.tp) for n, p in params.items()}
     if layout.distributed_optimizer:
         record["owned"] = {names[n]: r for n, r in _owned_ranges(optimizer, params).items()}
     with cpu_tensor_types():
         update_successful, _, _ = optimizer.step()
     record["update_successful"] = bool(update_successful)
-    record["params"] = {names[n]: _full(p) for n, p in inner.named_parameters()}
+    record["params"] = {names[n]: _tp_local(_full(p), p, local_shapes[n], coords["tp"], layout.tp)
+                        for n, p in inner.named_parameters()}
     return record
 
 

@@ -72,5 +72,7 @@ def test_out_norm_gradient_matches_tp1(ranks, layout):
     print(f"{key}: out_norm.weight rel err {out_norm:.2e}; largest of all parameters "
           f"{max(errors.values()):.2e}")
     assert out_norm <= FP32_TOLERANCE * TOLERANCE_FACTOR
-    assert grad_mismatches(records, tolerance_factor=TOLERANCE_FACTOR) == []
+    mismatches = grad_mismatches(records, tolerance_factor=TOLERANCE_FACTOR)
+    print("\n".join(mismatches))
+    assert mismatches == []
     assert replica_mismatches(records) == []

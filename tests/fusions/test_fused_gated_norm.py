@@ -212,18 +212,27 @@ def test_output_takes_in_place_ops(out_layout):
         assert torch.equal(a, b), name
 
 
+class _KernelRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the arguments
+    by kernel parameter and runs nothing."""
+
+    def __init__(self, kernel):
+        self.names, self.launches = kernel.arg_names, []
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            assert len(args) == len(self.names), "every kernel parameter is passed, defaults included"
+            self.launches.append(dict(zip(self.names, args)))
+        return record
+
+
 def _record_forward_launches(monkeypatch) -> list:
-    """Replaces the forward's launcher: each launch appends its arguments by kernel parameter."""
-    names = kernel_module.gated_norm_fwd.arg_names
-    launches = []
-
-    def record(grid, tensors, scalars, warps):
-        args = (*tensors, *scalars)
-        assert len(args) == len(names), "every kernel parameter is passed, defaults included"
-        launches.append(dict(zip(names, args)))
-
-    monkeypatch.setattr(kernel_module, "launch_forward", record)
-    return launches
+    """The forward's launcher records each launch instead of launching (prepared or not, every
+    launch reaches the kernel: no compiled kernel is kept)."""
+    recorder = _KernelRecorder(kernel_module.gated_norm_fwd)
+    monkeypatch.setattr(kernel_module.launch_forward, "kernel", recorder)
+    monkeypatch.setattr(kernel_module.launch_forward, "compiled", {})
+    return recorder.launches
 
 
 def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
@@ -552,6 +561,7 @@ def test_dense_and_per_row_addressing_agree(layout, bt, monkeypatch):
     for dense in (True, False):
         if not dense:
             monkeypatch.setattr(kernel_module, "dense_blocks", lambda *args: False)
+            monkeypatch.setattr(kernel_module, "_launch_plans", {})  # plans made with dense blocks
         out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt,
                                                out=out_buffer.transpose(0, 1))
         grads = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=bt, programs=3)

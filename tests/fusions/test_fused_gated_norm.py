@@ -618,3 +618,38 @@ def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype):
     assert got.dtype == dtype and torch.equal(got, want)
     if dtype == torch.bfloat16:
         assert got[0].item() == 260.0
+
+
+# ------------------------------------------------------------------------------------ launch plans
+
+
+def test_a_launch_plan_is_never_reused_for_other_strides(monkeypatch):
+    """Plans are keyed by the exact metadata: the same shape with other strides (x contiguous,
+    then an sbhd view; the gate contiguous, then a packed projection's slice; dy contiguous, then
+    sbhd) gets its own plan and the result of a fresh computation on contiguous copies."""
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    shape = (2, 5, 4, 64)
+    x, gate, weight = make_inputs(shape, torch.bfloat16)
+    dy = make_inputs(shape, torch.bfloat16, seed=4)[0]
+    strided = (sbhd_view(x), packed_projection_gate(shape, x.dtype), sbhd_view(dy))
+    results = []
+    for xs, gs, dys in ((x, gate, dy), strided, (x, gate, dy)):
+        out, rstd = kernel_module.forward_impl(xs, gs, weight, EPS)
+        results.append((xs, gs, dys, out, rstd, *kernel_module.backward_impl(xs, gs, weight, rstd, dys)))
+    assert len(kernel_module._launch_plans) == 4  # forward and backward of two layouts
+    for xs, gs, dys, *got in results:
+        plain = [t.contiguous() for t in (xs, gs, dys)]
+        monkeypatch.setattr(kernel_module, "_launch_plans", {})
+        out, rstd = kernel_module.forward_impl(plain[0], plain[1], weight, EPS)
+        want = (out, rstd, *kernel_module.backward_impl(plain[0], plain[1], weight, rstd, plain[2]))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_launch_plan_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    monkeypatch.setattr(kernel_module, "MAX_PLANS", 3)
+    x, gate, weight = make_inputs((1, 6, 2, 32), torch.float32)
+    for tokens in range(1, 7):  # a new token count per step: a new signature each
+        kernel_module.forward_impl(x[:, :tokens], gate[:, :tokens], weight, EPS)
+        assert len(kernel_module._launch_plans) <= 3

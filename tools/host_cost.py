@@ -61,15 +61,27 @@ class HostTimer:
         return {**self.mean, "best_round_us": dict(self.best)}
 
 
+class _RecordingKernel:
+    """Stands in for gated_norm_fwd: ``kernel[grid](*args, num_warps=...)`` records, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, num_warps: self.launches.append((grid[0], args, num_warps))
+
+
 def forward_launch_arguments(x, gate, weight):
     """(grid, tensors, scalars, warps) exactly as forward_impl hands them to its launcher."""
-    recorded, launcher = [], fgn.launch_forward
-    fgn.launch_forward = lambda *args: recorded.append(args)
+    launcher, recorder = fgn.launch_forward, _RecordingKernel()
+    kernel, compiled = launcher.kernel, launcher.compiled
+    launcher.kernel, launcher.compiled = recorder, {}  # every launch reaches the recorder
     try:
         fgn.forward_impl(x, gate, weight, EPS)
     finally:
-        fgn.launch_forward = launcher
-    return recorded[0]
+        launcher.kernel, launcher.compiled = kernel, compiled
+    grid, args, warps = recorder.launches[0]
+    return grid, args[:5], args[5:], warps
 
 
 class _Scale(torch.autograd.Function):
@@ -104,6 +116,9 @@ def training_host_cost(timer: HostTimer) -> None:
     timer.measure("ref_triton_launch_us",
                   lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps))
     timer.measure("direct_launcher_us", lambda: fgn.launch_forward(grid, tensors, scalars, warps))
+    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps)
+    timer.measure("direct_launcher_prepared_us",
+                  lambda: fgn.launch_forward.launch(grid, tensors, prepared))
     timer.add_sum("validation_plus_launch_us", "validation_us", "direct_launcher_us")
     # The compiled kernel called by hand (Triton-internal call convention): the floor of any
     # Python-side launch; with addresses, Triton's launcher skips its per-tensor driver query.

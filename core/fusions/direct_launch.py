@@ -31,9 +31,10 @@ tests/fusions/test_direct_launch.py fails when the installed Triton's ABI moves.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import triton
 from triton import knobs
@@ -109,16 +110,31 @@ def _warn_once(reason: str) -> None:
         )
 
 
+class PreparedLaunch(NamedTuple):
+    """A kernel's scalar arguments and warps with ``signature``: the number its launcher gave to
+    the part of the launch key they and the tensors' dtypes decide (``DirectLauncher.prepare``).
+    A caller that launches one argument pattern repeatedly prepares it once."""
+    scalars: tuple
+    num_warps: int
+    signature: int
+
+
 class DirectLauncher:
     """``launch(grid, tensors, scalars, num_warps)`` == ``kernel[(grid,)](*tensors, *scalars,
     num_warps=num_warps)`` for a kernel whose parameters are the tensors followed by the
     scalars, every parameter passed (defaults included: the compiled kernel takes them all).
     The tensors are on the current CUDA device, as for ``kernel[grid]``; ``None`` is a null
-    pointer."""
+    pointer. ``launch.launch(grid, tensors, launch.prepare(dtypes, scalars, num_warps))`` is the
+    same launch with the key's argument part computed once."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled = {}  # launch key (current device first) -> compiled kernel
+        # (device, signature, whether each pointer is 16-byte aligned) -> compiled kernel
+        self.compiled = {}
+        # (key scalars, warps, tensor dtypes) -> signature; numbers are never reused, so a
+        # PreparedLaunch kept past a reset of this table still names only its own arguments.
+        self.signatures = {}
+        self._next_signature = itertools.count()
         # Parameter positions Triton does not specialise (do_not_specialize).
         self.unspecialised = tuple(p.num for p in getattr(kernel, "params", ())
                                    if getattr(p, "do_not_specialize", False))
@@ -127,15 +143,30 @@ class DirectLauncher:
         self.direct = None if direct_launch_switch() else False
 
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
+        dtypes = tuple([None if t is None else t.dtype for t in tensors])
+        self.launch(grid, tensors, self.prepare(dtypes, scalars, num_warps))
+
+    def prepare(self, dtypes: tuple, scalars: tuple, num_warps: int) -> PreparedLaunch:
+        """``scalars`` and ``num_warps`` for tensors of ``dtypes`` (None for a null pointer)."""
+        static = (self._key_scalars(len(dtypes), scalars), num_warps, dtypes)
+        signature = self.signatures.get(static)
+        if signature is None:
+            if len(self.signatures) >= MAX_KEYS:
+                self.signatures.clear()
+            signature = self.signatures[static] = next(self._next_signature)
+        return PreparedLaunch(scalars, num_warps, signature)
+
+    def launch(self, grid: int, tensors: tuple, prepared: PreparedLaunch) -> None:
+        """Launch with ``prepared`` arguments; ``tensors`` have the dtypes it was prepared for."""
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
-        key_scalars = self._key_scalars(len(tensors), scalars)
         if self.compiled:  # something compiled exists, so there is a driver to ask
             device = driver.active.get_current_device()  # the device JITFunction.run would use
-            compiled = self.compiled.get(_launch_key(device, tensors, pointers, key_scalars, num_warps))
+            compiled = self.compiled.get(_launch_key(device, prepared.signature, pointers))
             if compiled is not None:
-                self._run(compiled, grid, device, tensors, pointers, scalars)
+                self._run(compiled, grid, device, tensors, pointers, prepared.scalars)
                 return
-        compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=num_warps)
+        scalars = prepared.scalars
+        compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=prepared.num_warps)
         if compiled is None or self.direct is False:
             return  # the interpreter ran it (nothing compiled to keep), or direct launch is off
         if self.direct is None:
@@ -147,7 +178,7 @@ class DirectLauncher:
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         device = driver.active.get_current_device()
-        self.compiled[_launch_key(device, tensors, pointers, key_scalars, num_warps)] = compiled
+        self.compiled[_launch_key(device, prepared.signature, pointers)] = compiled
 
     def _key_scalars(self, n_tensors: int, scalars: tuple) -> tuple:
         """``scalars`` with each unspecialised integer replaced by the type Triton gives it."""
@@ -171,7 +202,8 @@ class DirectLauncher:
           them on every launch), neither the hooks nor their metadata are built or called.
         """
         stream = driver.active.get_current_stream(device)
-        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        runtime = knobs.runtime
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
         if _has_hooks(enter) or _has_hooks(exit_):  # a profiler is listening: exactly as Triton
             metadata = compiled.launch_metadata((grid, 1, 1), stream, *tensors, *scalars)
         else:
@@ -187,8 +219,8 @@ def _has_hooks(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _launch_key(device: int, tensors: tuple, pointers: list, scalars: tuple, num_warps: int) -> tuple:
-    """Everything JITFunction.run specialises on (module docstring), plus the device the compiled
-    kernel is loaded on."""
-    return (device, scalars, num_warps,
-            *[None if t is None else (t.dtype, p % 16 == 0) for t, p in zip(tensors, pointers)])
+def _launch_key(device: int, signature: int, pointers: list) -> tuple:
+    """Everything JITFunction.run specialises on (module docstring): the prepared arguments'
+    signature and each pointer's 16-byte alignment, plus the device the compiled kernel is loaded
+    on."""
+    return (device, signature, *[p % 16 == 0 for p in pointers])

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from core.fusions.direct_launch import DirectLauncher
+from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
 from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaunch,
                                             backward_launch, cdiv, forward_launch,
                                             next_power_of_2)
@@ -350,26 +350,108 @@ def norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype):
     return _TORCH_TO_TRITON[torch.promote_types(x_dtype, weight_dtype)]
 
 
+def gated_norm_fwd_scalars(rows: int, heads: int, dim: int, seq: int,
+                           layouts: tuple[Layout, Layout, Layout], eps: float,
+                           zero_centered: bool, activation: str, rounding,
+                           norm_before_gate: bool, store_rstd: bool, bt: int,
+                           block_d: int) -> tuple:
+    """``gated_norm_fwd``'s scalar arguments in the kernel's parameter order, for the training
+    entry (``forward_impl``) and the inference entry alike (tests/fusions/test_fused_gated_norm.py
+    pins the order to the signature).
+
+    layouts: the ``Layout`` of x, gate and out; rounding: NORM_DTYPE, the Triton dtype the norm
+    output is rounded to before the gate product (tl.float32: none); store_rstd False stores no
+    rstd (STORE_RSTD=False)."""
+    (x_strides, x_flat, x_dense), (g_strides, g_flat, g_dense), (o_strides, o_flat, o_dense) = layouts
+    return (rows, heads, dim, seq, x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
+            x_dense, g_dense, o_dense, eps, zero_centered, bt, block_d, rounding, activation,
+            norm_before_gate, store_rstd)
+
+
 def launch_gated_norm_fwd(x, gate, weight, out, rstd, rows: int, heads: int, dim: int, seq: int,
                           layouts: tuple[Layout, Layout, Layout], eps: float, zero_centered: bool,
                           activation: str, rounding, norm_before_gate: bool, bt: int,
                           block_d: int, warps: int) -> None:
-    """The one launch of ``gated_norm_fwd``, for the training entry (``forward_impl``) and the
-    inference entry alike: one row block of ``bt`` rows per program. The arguments go in the
-    kernel's parameter order (tests/fusions/test_fused_gated_norm.py pins it to the signature).
-
-    layouts: the ``Layout`` of x, gate and out; rounding: NORM_DTYPE, the Triton dtype the norm
-    output is rounded to before the gate product (tl.float32: none); rstd None stores nothing
-    (STORE_RSTD=False)."""
-    (x_strides, x_flat, x_dense), (g_strides, g_flat, g_dense), (o_strides, o_flat, o_dense) = layouts
+    """One launch of ``gated_norm_fwd`` (one row block of ``bt`` rows per program) with
+    arguments built on the spot (the inference entry); rstd None stores nothing."""
     launch_forward(
-        cdiv(rows, bt),
-        (x, gate, weight, out, rstd),
-        (rows, heads, dim, seq, x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
-         x_dense, g_dense, o_dense, eps, zero_centered, bt, block_d, rounding, activation,
-         norm_before_gate, rstd is not None),
+        cdiv(rows, bt), (x, gate, weight, out, rstd),
+        gated_norm_fwd_scalars(rows, heads, dim, seq, layouts, eps, zero_centered, activation,
+                               rounding, norm_before_gate, rstd is not None, bt, block_d),
         warps,
     )
+
+
+# Launch plans of the training entry: everything a launch needs that the tensors' metadata (shape,
+# strides, dtypes, device) and the options decide, computed once per distinct signature and
+# kept in a bounded table (a training run sees a handful: one per layer shape and token count).
+MAX_PLANS = 256
+_launch_plans: dict = {}
+
+
+class ForwardPlan(NamedTuple):
+    grid: int
+    launch: PreparedLaunch
+
+
+class BackwardPlan(NamedTuple):
+    grid: int  # persistent programs, also the number of dW partials
+    launch: PreparedLaunch
+    dw_sum_grid: int
+    dw_sum: PreparedLaunch
+
+
+def _keep_plan(key: tuple, plan):
+    if len(_launch_plans) >= MAX_PLANS:
+        _launch_plans.clear()
+    _launch_plans[key] = plan
+    return plan
+
+
+def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps) -> ForwardPlan:
+    x_dtype, w_dtype = x.dtype, weight.dtype
+    key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
+           out.dtype, x.device, eps, zero_centered, activation, bt, warps)
+    plan = _launch_plans.get(key)
+    if plan is not None:
+        return plan
+    batch, seq, heads, dim = x.shape
+    rows = batch * seq * heads
+    cfg = forward_launch(dim, x.device)
+    bt = bt or cfg.bt
+    scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
+                                     (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
+                                     zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
+                                     True, bt, cfg.block_d)
+    dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32)
+    return _keep_plan(key, ForwardPlan(cdiv(rows, bt),
+                                       launch_forward.prepare(dtypes, scalars, warps or cfg.warps)))
+
+
+def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
+                   weight_grad_scale) -> BackwardPlan:
+    x_dtype, w_dtype = x.dtype, weight.dtype
+    key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
+           dy.dtype, x.device, zero_centered, activation, bt, warps, programs, weight_grad_scale)
+    plan = _launch_plans.get(key)
+    if plan is not None:
+        return plan
+    batch, seq, heads, dim = x.shape
+    rows = batch * seq * heads
+    cfg = backward_launch(dim, x.device)
+    bt = bt or cfg.bt
+    programs = min(programs or cfg.max_programs, cdiv(rows, bt))
+    x_strides, x_flat, x_dense = _layout(x, bt)
+    g_strides, g_flat, g_dense = _layout(gate, bt)
+    d_strides, d_flat, d_dense = _layout(dy, bt)
+    scalars = (rows, heads, dim, seq,
+               x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
+               zero_centered, bt, cfg.block_d, norm_dtype(x_dtype, w_dtype), activation)
+    dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
+              torch.float32)
+    return _keep_plan(key, BackwardPlan(
+        programs, launch_backward.prepare(dtypes, scalars, warps or cfg.warps),
+        *_dw_sum_launch(programs, dim, w_dtype, cfg, weight_grad_scale)))
 
 
 def forward_impl(
@@ -392,18 +474,13 @@ def forward_impl(
     (TypeError otherwise): it selects a compiled variant."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
-    rows = batch * seq * heads
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
-    if rows == 0 or dim == 0:  # nothing to normalise (rstd of an empty row is never read)
+    if batch * seq * heads == 0 or dim == 0:  # nothing to normalise (rstd of an empty row is never read)
         return out, rstd
-    cfg = forward_launch(dim, x.device)
-    bt = bt or cfg.bt
-    launch_gated_norm_fwd(x, gate, weight, out, rstd, rows, heads, dim, seq,
-                          (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
-                          zero_centered, activation, norm_dtype(x.dtype, weight.dtype), True, bt,
-                          cfg.block_d, warps or cfg.warps)
+    plan = _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps)
+    launch_forward.launch(plan.grid, (x, gate, weight, out, rstd), plan.launch)
     return out, rstd
 
 
@@ -429,43 +506,42 @@ def backward_impl(
     must be a bool (TypeError otherwise).
     """
     check_bool("backward_impl", "zero_centered", zero_centered)
-    batch, seq, heads, dim = x.shape
-    rows = batch * seq * heads
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    if rows == 0 or dim == 0:  # no row contributes: dW is zero at any scale
+    batch, seq, heads, dim = x.shape
+    if batch * seq * heads == 0 or dim == 0:  # no row contributes: dW is zero at any scale
         return dx, dgate, torch.zeros_like(weight)
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
-    cfg = backward_launch(dim, x.device)
-    bt = bt or cfg.bt
-    programs = min(programs or cfg.max_programs, cdiv(rows, bt))
-    dw_partial = torch.empty((programs, dim), dtype=torch.float32, device=x.device)
-    x_strides, x_flat, x_dense = _layout(x, bt)
-    g_strides, g_flat, g_dense = _layout(gate, bt)
-    d_strides, d_flat, d_dense = _layout(dy, bt)
-    launch_backward(
-        programs,
-        (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
-        (rows, heads, dim, seq,
-         x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
-         zero_centered, bt, cfg.block_d, norm_dtype(x.dtype, weight.dtype), activation),
-        warps or cfg.warps,
-    )
-    return dx, dgate, sum_dw_partials(dw_partial, weight.dtype, cfg, weight_grad_scale)
+    plan = _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
+                          weight_grad_scale)
+    dw_partial = torch.empty((plan.grid, dim), dtype=torch.float32, device=x.device)
+    launch_backward.launch(plan.grid, (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
+                           plan.launch)
+    dweight = torch.empty_like(weight)
+    launch_dw_sum.launch(plan.dw_sum_grid, (dw_partial, dweight), plan.dw_sum)
+    return dx, dgate, dweight
+
+
+def _dw_sum_launch(programs: int, dim: int, dtype: torch.dtype, cfg: BackwardLaunch,
+                   weight_grad_scale: float) -> tuple[int, PreparedLaunch]:
+    """Grid and arguments of ``gated_norm_dw_sum`` for [programs, dim] fp32 partials and a dW of
+    ``dtype``. The kernel's block is sized by ``cfg.max_programs`` (the launch heuristics' cap),
+    so fewer partials (fewer rows) reuse the compiled kernel."""
+    block_p = next_power_of_2(max(programs, cfg.max_programs))
+    return cdiv(dim, cfg.dw_sum_columns), launch_dw_sum.prepare(
+        (torch.float32, dtype), (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns),
+        cfg.dw_sum_warps)
 
 
 def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,
                     weight_grad_scale: float = 1.0) -> torch.Tensor:
     """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> ``weight_grad_scale`` times
-    their sum, as dW of ``dtype``. The kernel's block is sized by ``cfg.max_programs`` (the launch
-    heuristics' cap), so fewer partials (fewer rows) reuse the compiled kernel."""
+    their sum, as dW of ``dtype`` (``backward_impl`` makes the same launch from its plan)."""
     programs, dim = dw_partial.shape
     dweight = dw_partial.new_empty(dim, dtype=dtype)
-    block_p = next_power_of_2(max(programs, cfg.max_programs))
-    launch_dw_sum(cdiv(dim, cfg.dw_sum_columns), (dw_partial, dweight),
-                  (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns),
-                  cfg.dw_sum_warps)
+    grid, prepared = _dw_sum_launch(programs, dim, dtype, cfg, weight_grad_scale)
+    launch_dw_sum.launch(grid, (dw_partial, dweight), prepared)
     return dweight
 
 
@@ -529,9 +605,17 @@ class _FusedGatedNorm(torch.autograd.Function):
         return buffer
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dbuffer):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise
+            return _once_differentiable_gradients(ctx, dbuffer)
+        # The engine runs a backward with grad mode off unless create_graph is set: no need for
+        # once_differentiable's no_grad block (~1 us of host time) on that path.
         return _gradients(ctx, dbuffer, _backward)
+
+
+@torch.autograd.function.once_differentiable
+def _once_differentiable_gradients(ctx, dbuffer):
+    return _gradients(ctx, dbuffer, _backward)
 
 
 # torch.compile path. Dynamo cannot trace into a Triton launch wrapper with Python-side

@@ -128,6 +128,7 @@ def _keys(kernel_name, run):
 def _use_h200_heuristics(monkeypatch):
     """The launch parameters an H200 gets (132 SMs), whatever device runs the test."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(fgn, "_launch_plans", {})  # no plan made with this device's heuristics
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(fgn, "forward_launch", lambda dim, device: launch.forward_launch.__wrapped__(dim, gpu))
     monkeypatch.setattr(fgn, "backward_launch", lambda dim, device: launch.backward_launch.__wrapped__(dim, gpu))

@@ -212,18 +212,27 @@ def test_output_takes_in_place_ops(out_layout):
         assert torch.equal(a, b), name
 
 
+class _KernelRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the arguments
+    by kernel parameter and runs nothing."""
+
+    def __init__(self, kernel):
+        self.names, self.launches = kernel.arg_names, []
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            assert len(args) == len(self.names), "every kernel parameter is passed, defaults included"
+            self.launches.append(dict(zip(self.names, args)))
+        return record
+
+
 def _record_forward_launches(monkeypatch) -> list:
-    """Replaces the forward's launcher: each launch appends its arguments by kernel parameter."""
-    names = kernel_module.gated_norm_fwd.arg_names
-    launches = []
-
-    def record(grid, tensors, scalars, warps):
-        args = (*tensors, *scalars)
-        assert len(args) == len(names), "every kernel parameter is passed, defaults included"
-        launches.append(dict(zip(names, args)))
-
-    monkeypatch.setattr(kernel_module, "launch_forward", record)
-    return launches
+    """The forward's launcher records each launch instead of launching (prepared or not, every
+    launch reaches the kernel: no compiled kernel is kept)."""
+    recorder = _KernelRecorder(kernel_module.gated_norm_fwd)
+    monkeypatch.setattr(kernel_module.launch_forward, "kernel", recorder)
+    monkeypatch.setattr(kernel_module.launch_forward, "compiled", {})
+    return recorder.launches
 
 
 def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
@@ -552,6 +561,7 @@ def test_dense_and_per_row_addressing_agree(layout, bt, monkeypatch):
     for dense in (True, False):
         if not dense:
             monkeypatch.setattr(kernel_module, "dense_blocks", lambda *args: False)
+            monkeypatch.setattr(kernel_module, "_launch_plans", {})  # plans made with dense blocks
         out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt,
                                                out=out_buffer.transpose(0, 1))
         grads = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=bt, programs=3)
@@ -608,3 +618,38 @@ def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype):
     assert got.dtype == dtype and torch.equal(got, want)
     if dtype == torch.bfloat16:
         assert got[0].item() == 260.0
+
+
+# ------------------------------------------------------------------------------------ launch plans
+
+
+def test_a_launch_plan_is_never_reused_for_other_strides(monkeypatch):
+    """Plans are keyed by the exact metadata: the same shape with other strides (x contiguous,
+    then an sbhd view; the gate contiguous, then a packed projection's slice; dy contiguous, then
+    sbhd) gets its own plan and the result of a fresh computation on contiguous copies."""
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    shape = (2, 5, 4, 64)
+    x, gate, weight = make_inputs(shape, torch.bfloat16)
+    dy = make_inputs(shape, torch.bfloat16, seed=4)[0]
+    strided = (sbhd_view(x), packed_projection_gate(shape, x.dtype), sbhd_view(dy))
+    results = []
+    for xs, gs, dys in ((x, gate, dy), strided, (x, gate, dy)):
+        out, rstd = kernel_module.forward_impl(xs, gs, weight, EPS)
+        results.append((xs, gs, dys, out, rstd, *kernel_module.backward_impl(xs, gs, weight, rstd, dys)))
+    assert len(kernel_module._launch_plans) == 4  # forward and backward of two layouts
+    for xs, gs, dys, *got in results:
+        plain = [t.contiguous() for t in (xs, gs, dys)]
+        monkeypatch.setattr(kernel_module, "_launch_plans", {})
+        out, rstd = kernel_module.forward_impl(plain[0], plain[1], weight, EPS)
+        want = (out, rstd, *kernel_module.backward_impl(plain[0], plain[1], weight, rstd, plain[2]))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_launch_plan_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    monkeypatch.setattr(kernel_module, "MAX_PLANS", 3)
+    x, gate, weight = make_inputs((1, 6, 2, 32), torch.float32)
+    for tokens in range(1, 7):  # a new token count per step: a new signature each
+        kernel_module.forward_impl(x[:, :tokens], gate[:, :tokens], weight, EPS)
+        assert len(kernel_module._launch_plans) <= 3

@@ -1,0 +1,135 @@
+"""Host (Python) cost of one eager forward + backward of the fused gated norm, on the CPU, with
+every kernel launch stubbed: what the GPU host pays around its launches, without a GPU.
+
+    python tools/host_profile.py [--rounds N] [--calls N] [--profile]
+
+The Triton interpreter (set here before triton loads) makes the package take CPU tensors; each
+launcher's compiled kernel is replaced by a no-op, so the launcher's own path (launch key,
+lookup, argument packing) still runs and only the final call into the driver is skipped.
+Reported in units of a tiny torch op of the same run (``x.add(1)`` on 16 elements), rounds of
+all measurements interleaved, best round each (the least disturbed): a shared CPU's speed moves
+between moments, ratios within one run do not. ``own_units`` = (forward with autograd +
+backward through autograd - backward through autograd of a trivial Function) / tiny op, the
+quantity tools/host_cost.py measures on a GPU host (there a tiny op includes a CUDA launch, so
+the CPU's units are larger numbers for the same work). ``--profile`` adds a cProfile listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import core.fusions.direct_launch as direct_launch  # noqa: E402
+import core.fusions.fused_gated_norm as fgn  # noqa: E402
+from tools.bench_common import EPS, make_inputs  # noqa: E402
+from tools.host_cost import SHAPE, _Scale  # noqa: E402
+
+
+class _StubCompiled:
+    """A compiled kernel whose launch does nothing (the attributes the direct call reads)."""
+
+    function = packed_metadata = None
+
+    def run(self, *args):
+        return None
+
+
+class _StubKernel:
+    """``kernel[grid](...)`` returning a _StubCompiled: the first launch of every key."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _StubCompiled()
+
+
+class _StubDriver:
+    """driver.active with CUDA's query functions' shapes: a Python function around a builtin
+    (torch.cuda.current_device) and a builtin (torch._C._cuda_getCurrentRawStream)."""
+
+    class active:  # noqa: N801 (read as driver.active)
+        @staticmethod
+        def get_current_device():
+            return abs(0)
+
+        get_current_stream = abs
+
+
+def stub_launches() -> None:
+    """Every launcher takes its direct path with a no-op compiled kernel."""
+    direct_launch.driver = _StubDriver
+    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+        launcher.kernel, launcher.direct = _StubKernel(), True
+        launcher.compiled.clear()
+
+
+def measurements() -> dict:
+    """name -> a call to time."""
+    x, g, w, dy, leaves = make_inputs(SHAPE, device="cpu")
+    tiny = torch.zeros(16)
+    out = fgn.fused_gated_norm(x, g, w, EPS)
+    ref_out = _Scale.apply(x)
+    return {
+        "tiny_op_us": lambda: tiny.add(1),
+        "forward_autograd_us": lambda: fgn.fused_gated_norm(x, g, w, EPS),
+        "backward_autograd_us": lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True),
+        "trivial_function_backward_us":
+            lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True),
+        "validation_us": lambda: fgn.check_gated_norm_inputs(x, g, w, EPS),
+    }
+
+
+def measure(rounds: int, calls: int) -> dict:
+    fns = measurements()
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():  # warm-up: first launches fill the launchers' tables
+        for _ in range(50):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls * 1e6)
+    own = best["forward_autograd_us"] + best["backward_autograd_us"] - best[
+        "trivial_function_backward_us"]
+    return {**best, "own_us": own, "own_units": own / best["tiny_op_us"]}
+
+
+def profile(calls: int) -> None:
+    fns = measurements()
+    forward, backward = fns["forward_autograd_us"], fns["backward_autograd_us"]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        forward()
+        backward()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    stub_launches()
+    result = measure(args.rounds, args.calls)
+    for name, value in result.items():
+        print(f"{name:32s} {value:8.2f}")
+    if args.profile:
+        profile(args.calls)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,6 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
 from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaunch,
@@ -78,7 +77,6 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 # truncates. Decided once, like triton.jit's own choice between compiling and interpreting.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 _EXACT_BF16_CAST = tl.constexpr(not INTERPRETED)
-_LIBDEVICE_EXP = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
@@ -144,34 +142,21 @@ def _round_to(v, DTYPE: tl.constexpr):
     return rounded
 
 
-# The activations in torch's own fp32 arithmetic, so that their values agree bit for bit: torch's
-# CUDA kernels compute silu as g / (1 + exp(-g)) and sigmoid as 1 / (1 + exp(-g)) with the
-# libdevice expf and an IEEE division. Triton's tl.exp (ex2.approx) and '/' (div.full, 2 ulp)
-# differ from them on about 38 % of fp32 silu values, which flips the bf16 rounding of the
-# gated output on about 1 element in 10^8 (H200, 134M elements); with libdevice.exp and
-# tl.div_rn none differ (tests/gpu/test_kernels_gpu.py, test_activation_equals_torch).
-
-
-@triton.jit
-def _exp_neg(g):
-    if _LIBDEVICE_EXP:
-        e = libdevice.exp(-g)
-    else:  # the interpreter has no libdevice; its tl.exp is numpy's
-        e = tl.exp(-g)
-    return e
-
-
 @triton.jit
 def _sigmoid(g):
-    return tl.div_rn(1.0, 1.0 + _exp_neg(g))
+    return 1.0 / (1.0 + tl.exp(-g))
 
 
 @triton.jit
 def _activation(g, ACTIVATION: tl.constexpr):
+    # torch's formulas (silu = g / (1 + exp(-g))) with Triton's fast exp and division: their
+    # fp32 values differ from torch's expf and IEEE division in the last bits, which flips the
+    # gated output's bf16 rounding on about 1 element in 10^8 (docs/numerics.md). The exact
+    # functions (libdevice.exp, tl.div_rn) remove that and cost 15-40 % of the kernels' speed.
     if ACTIVATION == "sigmoid":
         act = _sigmoid(g)
     else:
-        act = tl.div_rn(g, 1.0 + _exp_neg(g))
+        act = g / (1.0 + tl.exp(-g))
     return act
 
 

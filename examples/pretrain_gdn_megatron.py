@@ -7,7 +7,7 @@
         --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local \\
         --experimental-attention-variant gated_delta_net --linear-attention-freq 4 \\
         --fused-gated-norm --recompute-granularity selective --recompute-modules gdn_norm_out \\
-        --data-path runs/data/stdlib_docstrings --split 949,50,1 \\
+        --data-path runs/data/stdlib_docstrings --split 98,2,0 \\
         --tokenizer-type NullTokenizer --vocab-size 256 ...   (examples/run_megatron_pairs.py
                                                                has complete command lines)
 

@@ -73,7 +73,7 @@ COMMON = [
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
     "--clip-grad", "1.0", "--adam-beta2", "0.95", "--init-method-std", "0.02",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "949,50,1",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "98,2,0",
 ]
 CPU_ONLY = ["--use-cpu-initialization", "--distributed-backend", "gloo"]
 RECOMPUTE = ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"]

@@ -8,7 +8,7 @@ of the corpus; each ends with the end-of-document token 255, the ``eod`` of mega
 with megatron's ``IndexedDatasetBuilder`` (uint8 tokens); deterministic, a few tenths of a second.
 
     python examples/data/build_indexed.py --output-prefix runs/data/stdlib_docstrings
-    # then: --data-path runs/data/stdlib_docstrings --split 949,50,1
+    # then: --data-path runs/data/stdlib_docstrings --split 98,2,0
     #       --tokenizer-type NullTokenizer --vocab-size 256
 """
 

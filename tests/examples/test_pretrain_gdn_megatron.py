@@ -129,3 +129,19 @@ def test_pairs_through_megatrons_training_loop(tmp_path):
     resumed = (logs / "tp1_off_resumed_on.log").read_text()
     assert f"successfully loaded checkpoint from {out / 'checkpoints' / 'tp1_off'}" in resumed
     assert (out / "checkpoints" / "tp1_on" / f"iter_{SAVE_AT:07d}").is_dir()
+
+
+@pytest.mark.parametrize("size", ["gpu", "cpu"])
+def test_every_split_the_driver_asks_for_holds_a_sample(size):
+    """megatron's sampler refuses a split with no sample (``no sample to consume: 0``): every
+    split of non-zero weight must hold one sequence of the driver's length, for the GPU model
+    as for the CPU one. The shipped corpus is split by documents, in megatron's proportions."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    build = _module(os.path.join(ROOT, "examples", "data", "build_indexed.py"), "build_indexed")
+    args = driver.MODEL[size] + driver.COMMON
+    seq = int(args[args.index("--seq-length") + 1])
+    weights = [float(w) for w in args[args.index("--split") + 1].split(",")]
+    tokens = sum(len(doc) + 1 for doc in build.documents())  # + the end-of-document token
+    for weight in weights:
+        if weight:
+            assert tokens * weight / sum(weights) > 2 * (seq + 1), (size, weights, seq)

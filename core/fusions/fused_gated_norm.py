@@ -393,6 +393,14 @@ def _keep_plan(key: tuple, plan):
     return plan
 
 
+def _geometry(x, launch_rule, bt):
+    """(rows, sequence, heads, dim, launch parameters, rows per block) of a [B, S, H, D] ``x``;
+    ``bt`` overrides the rule's block when given."""
+    batch, seq, heads, dim = x.shape
+    cfg = launch_rule(dim, x.device)
+    return batch * seq * heads, seq, heads, dim, cfg, bt or cfg.bt
+
+
 def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps) -> ForwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
@@ -400,10 +408,7 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     plan = _launch_plans.get(key)
     if plan is not None:
         return plan
-    batch, seq, heads, dim = x.shape
-    rows = batch * seq * heads
-    cfg = forward_launch(dim, x.device)
-    bt = bt or cfg.bt
+    rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
                                      (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
@@ -421,10 +426,7 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     plan = _launch_plans.get(key)
     if plan is not None:
         return plan
-    batch, seq, heads, dim = x.shape
-    rows = batch * seq * heads
-    cfg = backward_launch(dim, x.device)
-    bt = bt or cfg.bt
+    rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
     programs = min(programs or cfg.max_programs, cdiv(rows, bt))
     x_strides, x_flat, x_dense = _layout(x, bt)
     g_strides, g_flat, g_dense = _layout(gate, bt)

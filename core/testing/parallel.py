@@ -578,9 +578,15 @@ def layout_worker(rank: int, world_size: int, init_file: str, reference_path: st
     install_cpu_fla_stand_ins()
     torch.set_num_threads(1)  # several ranks share few cores
     device = init_world(rank, world_size, init_file)
+    save_rank_results(lambda: run_layouts(layouts, reference_path, device, fused_values),
+                      out_dir, rank)
+
+
+def save_rank_results(run, out_dir: str, rank: int) -> None:
+    """``torch.save`` of ``run()`` as ``out_dir/rank{rank}.pt``, then the process groups torn
+    down, whatever happened: the end of every spawned rank."""
     try:
-        results = run_layouts(layouts, reference_path, device, fused_values)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(run(), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         from megatron.core import parallel_state
 

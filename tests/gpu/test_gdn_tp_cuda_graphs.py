@@ -46,14 +46,30 @@ def _check_matches_tp1(ranks: list, case: str) -> None:
     assert torch.equal(ranks[0][case]["dw"], ranks[1][case]["dw"]), f"{case}: ranks differ"
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < TP,
+                              reason="needs 2 CUDA devices (TP 2 over NCCL, CUDA graphs)")
+
+
+@pytest.fixture(scope="module")
+def gpu_ranks(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("tp_cuda_graphs"), cuda_graphs=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < TP,
-                    reason="needs 2 CUDA devices (TP 2 over NCCL, CUDA graphs)")
-def test_tp2_sequence_parallel_and_cuda_graphs_match_tp1(tmp_path):
-    ranks = _run(tmp_path, cuda_graphs=True)
-    for case in ("tp2-sp", "tp2", "tp2-cuda-graph"):
-        _check_matches_tp1(ranks, case)
-    for results in ranks:
+@two_gpus
+@pytest.mark.parametrize("case", ["tp2-sp", "tp2"])
+def test_tp2_matches_tp1_over_nccl(gpu_ranks, case):
+    _check_matches_tp1(gpu_ranks, case)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_tp2_under_local_cuda_graphs_matches_tp1(gpu_ranks):
+    for rank, results in enumerate(gpu_ranks):
+        if "error" in results["tp2-cuda-graph"]:
+            pytest.fail(f"rank {rank}:\n{results['tp2-cuda-graph']['error']}")
+    _check_matches_tp1(gpu_ranks, "tp2-cuda-graph")
+    for results in gpu_ranks:
         graphed = results["tp2-cuda-graph"]
         assert graphed["graphs"] and all(fwd and bwd for fwd, bwd in graphed["graphs"])
         assert graphed["python_norm_calls_in_replay"] == 0  # step 2 replayed the graphs

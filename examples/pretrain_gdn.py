@@ -14,7 +14,9 @@ Without a GPU it runs on the CPU: Triton kernels in the interpreter (TRITON_INTE
 below before anything imports triton), the no-GPU shims of ``core.testing.cpu`` (the one module
 that holds them, layer and training level: ``install_cpu_shims(training=True)``), gloo, and
 ``deterministic_mode=True`` (megatron's torch chunk path: FLA's chunk kernel does not run in the
-interpreter). With a GPU: NCCL, FLA's kernels and bigger defaults.
+interpreter). Two CPU runs of one command repeat bit for bit: a fixed intra-op thread count
+(``--cpu-threads``) and torch's deterministic algorithms, both printed in the setup line. With a
+GPU: NCCL, FLA's kernels and bigger defaults.
 
 Tensor parallelism: ``--tp N`` spawns N processes (torch.multiprocessing), or run it under
 ``torchrun --nproc-per-node N`` (world size = tp x dp). docs/pretraining.md has the details.

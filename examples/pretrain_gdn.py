@@ -14,7 +14,9 @@ Without a GPU it runs on the CPU: Triton kernels in the interpreter (TRITON_INTE
 below before anything imports triton), the no-GPU shims of ``core.testing.cpu`` (the one module
 that holds them, layer and training level: ``install_cpu_shims(training=True)``), gloo, and
 ``deterministic_mode=True`` (megatron's torch chunk path: FLA's chunk kernel does not run in the
-interpreter). With a GPU: NCCL, FLA's kernels and bigger defaults.
+interpreter). Two CPU runs of one command repeat bit for bit: a fixed intra-op thread count
+(``--cpu-threads``) and torch's deterministic algorithms, both printed in the setup line. With a
+GPU: NCCL, FLA's kernels and bigger defaults.
 
 Tensor parallelism: ``--tp N`` spawns N processes (torch.multiprocessing), or run it under
 ``torchrun --nproc-per-node N`` (world size = tp x dp). docs/pretraining.md has the details.
@@ -116,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "megatron ships it) on a GPU; --no-jit-fuser gives the eager unfused "
                         "path, the exact reference of the numerics contract. Always off on the "
                         "CPU")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads per process on the CPU (default: 2 // number of "
+                        "processes, at least 1). A fixed number, not the machine's core count: "
+                        "how a reduction is split over threads decides its rounding")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="config.deterministic_mode (megatron's torch GDN chunk path); forced on "
                         "the CPU, off by default on a GPU (FLA's kernels)")
@@ -159,6 +165,14 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.deterministic = not HAS_CUDA
     if not HAS_CUDA:
         args.jit_fuser = False
+    if HAS_CUDA and args.cpu_threads is not None:
+        raise SystemExit("--cpu-threads applies to CPU runs only (no GPU visible)")
+    if not HAS_CUDA:
+        if args.cpu_threads is None:
+            world_size = int(os.environ.get("WORLD_SIZE", args.tp * args.dp))
+            args.cpu_threads = max(1, 2 // world_size)
+        if args.cpu_threads < 1:
+            raise SystemExit(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
     if not HAS_CUDA and not args.deterministic:
         raise SystemExit("--no-deterministic needs a GPU: FLA's chunk kernel does not run in the "
                          "Triton interpreter")
@@ -181,7 +195,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
 def setup_line(args: argparse.Namespace, world_size: int) -> str:
     kinds = ["attn" if (i + 1) % args.linear_attention_freq == 0 else "gdn"
              for i in range(args.num_layers)]
-    dev = torch.cuda.get_device_name() if HAS_CUDA else "CPU (Triton interpreter, gloo)"
+    dev = (torch.cuda.get_device_name() if HAS_CUDA else
+           f"CPU (Triton interpreter, gloo, {args.cpu_threads} intra-op thread"
+           f"{'s' if args.cpu_threads > 1 else ''}/process, torch deterministic algorithms)")
     return (f"{dev}; layers {'/'.join(kinds)}, hidden {args.hidden_size}, GDN heads "
             f"{args.linear_num_key_heads}k/{args.linear_num_value_heads}v x "
             f"{args.linear_key_head_dim}/{args.linear_value_head_dim}; seq {args.seq_length}, "
@@ -599,7 +615,13 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
         from core.testing.cpu import install_cpu_shims
 
         install_cpu_shims(training=True)  # layer + training shims, l2norm speed stand-in
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # Repeatable bits on the CPU. The thread count fixes how reductions are split. Torch's
+        # default index_put_(accumulate=True) with several threads adds with atomics in whatever
+        # order the threads run (so the order follows the machine's load); it is the backward
+        # of megatron's deterministic_mode embedding lookup (weight[tokens]). Deterministic
+        # algorithms make it add in index order.
+        torch.set_num_threads(args.cpu_threads)
+        torch.use_deterministic_algorithms(True)
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)

@@ -3,7 +3,8 @@ flag off then on (``--compare``), in a subprocess (the CPU shims patch torch and
 process-wide). Checks: finite losses that go down, the two runs agree per the numerics
 contract step by step, the paired check (same weights, fused vs unfused) gives the same loss and
 gradients to fp32 rounding, outputs written, and at TP = 2 and TP = 4 (gloo, spawned CPU
-processes) the GDN out_norm weight identical on every rank after every step."""
+processes) the GDN out_norm weight identical on every rank after every step; on the CPU, two
+runs of one configuration repeat bit for bit whatever else loads the machine."""
 
 import importlib.util
 import json
@@ -11,6 +12,9 @@ import math
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,15 +30,14 @@ MAX_ULPS_FP32 = 8
 MAX_GRAD_REL_FP32 = 1e-5
 
 
-def _report_module():
-    spec = importlib.util.spec_from_file_location(
-        "pretrain_report", os.path.join(ROOT, "examples", "pretrain_report.py"))
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_ulp = _report_module().ulp  # fp32 ulp at |x|, as the example's report counts it
+_ulp = _load_example("pretrain_report").ulp  # fp32 ulp at |x|, as the example's report counts it
 
 
 def _run(out, *extra):
@@ -101,3 +104,58 @@ def test_compare_tp4_sequence_parallel_recompute(tmp_path):
     for run in (off, on):  # out_norm weight identical on all four TP ranks after every step
         assert run["tp_out_norm_max_diff"] == [0.0, 0.0]
         assert run["args"]["tp"] == 4 and run["world_size"] == 4
+
+
+# The embedding gradient's shape of the example's CPU default (micro-batch 4 x seq 128 x hidden 64
+# = 32,768 values): torch's index_put_(accumulate=True) takes its multi-threaded path (from
+# 32,768 values), whose atomic additions land in the order the threads happen to run unless
+# torch's deterministic algorithms are on (at this shape a step's gradient then often differs in
+# its last bits).
+REPEAT_SIZE = ["--hidden-size", "64", "--num-layers", "2", "--linear-attention-freq", "2",
+               "--ffn-hidden-size", "64", "--num-attention-heads", "2", "--num-query-groups", "2",
+               "--kv-channels", "16", "--linear-num-key-heads", "2",
+               "--linear-num-value-heads", "2", "--seq-length", "128", "--micro-batch-size", "4",
+               "--steps", "40", "--eval-batches", "1", "--no-progress", "--no-fused-gated-norm"]
+
+
+def _repeat_run(out, env_extra=None):
+    cmd = [sys.executable, SCRIPT, "--out", str(out), *REPEAT_SIZE]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env_extra or {})},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 intra-op threads/process, torch deterministic algorithms" in proc.stdout
+    with open(os.path.join(out, "run_fused_gated_norm_off.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's thread and kernel settings")
+def test_cpu_run_repeats_bitwise_under_load_and_other_thread_settings(tmp_path):
+    """One run alone; the same run again with OMP_NUM_THREADS=1 and MKL_NUM_THREADS=1 in its
+    environment and a busy-looping process beside it: every loss and the held-out loss equal bit
+    for bit. (Alone, the two threads run at the same time, which is when unordered atomic
+    additions collide; with the busy loop they are preempted in between.)"""
+    alone = _repeat_run(tmp_path / "alone")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = _repeat_run(tmp_path / "loaded", {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    finally:
+        busy.kill()
+        busy.wait()
+    assert len(alone["losses"]) == 40 and all(math.isfinite(x) for x in alone["losses"])
+    assert loaded["losses"] == alone["losses"]
+    assert loaded["held_out_loss"] == alone["held_out_loss"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--cpu-threads is refused with a GPU")
+def test_cpu_threads_default_and_validation(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    example = _load_example("pretrain_gdn")
+    parse = example.build_parser().parse_args
+    assert example.resolve_defaults(parse([])).cpu_threads == 2
+    assert example.resolve_defaults(parse(["--tp", "2"])).cpu_threads == 1
+    assert example.resolve_defaults(parse(["--tp", "2", "--dp", "2"])).cpu_threads == 1
+    assert example.resolve_defaults(parse(["--cpu-threads", "3"])).cpu_threads == 3
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun
+    assert example.resolve_defaults(parse([])).cpu_threads == 1
+    with pytest.raises(SystemExit, match=r"--cpu-threads must be >= 1, got 0"):
+        example.resolve_defaults(parse(["--cpu-threads", "0"]))

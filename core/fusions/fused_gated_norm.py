@@ -152,7 +152,8 @@ def _activation(g, ACTIVATION: tl.constexpr):
     # torch's formulas (silu = g / (1 + exp(-g))) with Triton's fast exp and division: their
     # fp32 values differ from torch's expf and IEEE division in the last bits, which flips the
     # gated output's bf16 rounding on about 1 element in 10^8 (docs/numerics.md). The exact
-    # functions (libdevice.exp, tl.div_rn) remove that and cost 12-44 % of the kernels' speed on the H200.
+    # functions (libdevice.exp, tl.div_rn) remove that and cost 12-44 % of the kernels' speed
+    # on the H200 (docs/design.md, Activation arithmetic).
     if ACTIVATION == "sigmoid":
         act = _sigmoid(g)
     else:

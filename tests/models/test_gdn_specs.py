@@ -109,20 +109,29 @@ def test_gpt_model_from_hybrid_spec_trains_with_flag():
     assert w.grad is not None and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
 
-def test_hybrid_block_with_moe_mlps_runs():
+def test_hybrid_block_with_moe_mlps_matches_unfused():
     from megatron.core.models.gpt import GPTModel
 
-    config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
-                        fused_gated_norm=True, num_moe_experts=2, moe_layer_freq=[1, 0],
-                        moe_router_topk=2, moe_ffn_hidden_size=32)
-    model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
-                     vocab_size=64, max_sequence_length=16)
+    def build(fused):
+        config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                            fused_gated_norm=fused, num_moe_experts=2, moe_layer_freq=[1, 0],
+                            moe_router_topk=2, moe_ffn_hidden_size=32)
+        return GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
+                        vocab_size=64, max_sequence_length=16)
+
+    model, unfused = build(True), build(False)
+    unfused.load_state_dict(model.state_dict())
     assert [type(l.mlp).__name__ for l in model.decoder.layers] == ["MoELayer", "MLP"]
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-    loss = model(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
-    loss.mean().backward()
-    assert torch.isfinite(loss).all()
+    losses = [m(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
+              for m in (model, unfused)]
+    for loss in losses:
+        loss.mean().backward()
+    torch.testing.assert_close(losses[0], losses[1])
+    grads = [m.decoder.layers[0].self_attention.out_norm.weight.grad for m in (model, unfused)]
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 # --- built on megatron's own spec functions ---------------------------------------------------

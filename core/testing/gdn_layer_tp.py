@@ -175,22 +175,15 @@ def run_rank(rank: int, tp_size: int, device: torch.device, cuda_graphs: bool) -
 
 def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_graphs: bool) -> None:
     """torch.multiprocessing.spawn entry: NCCL on GPU ``rank`` when CUDA is there, else gloo
-    with the CPU shims."""
-    import datetime
+    with the CPU shims (parallel_state is set up per case by ``run_rank``)."""
+    from core.testing.parallel import init_world, save_rank_results
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        torch.distributed.init_process_group(
-            "nccl", init_method=f"file://{init_file}", rank=rank, world_size=tp_size,
-            device_id=device, timeout=datetime.timedelta(seconds=120))
-    else:
-        from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+    if not torch.cuda.is_available():
+        from core.testing.cpu import install_cpu_shims
 
         install_cpu_shims(training=True)
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-        init_cpu_model_parallel(tp_size=1, rank=rank, world_size=tp_size, init_file=init_file)
+        torch.set_num_threads(1)  # several ranks share few cores
+    device = init_world(rank, tp_size, init_file)
     if cuda_graphs:
         # megatron's deterministic_mode rule is not capturable; every case of the run (TP 1
         # included) takes the same capturable rule.
@@ -199,6 +192,4 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
         from core.testing.gdn import recurrent_gated_delta_rule
 
         gdn.torch_chunk_gated_delta_rule = recurrent_gated_delta_rule
-    from core.testing.parallel import save_rank_results
-
     save_rank_results(lambda: run_rank(rank, tp_size, device, cuda_graphs), out_dir, rank)

@@ -1,4 +1,4 @@
-"""tools/kernel_ir.py compiles the kernels for sm_90 without a GPU (even when the test session
+"""tools/kernel_ir.py compiles the kernels for sm_90 without a GPU (even when the pytest process
 runs the interpreter) and reports the row reduction's layout, which decides a row's bits.
 Checks the claims of docs/design.md (Launch choices: a row's bits follow its layout) on Triton's real
 compiler output."""

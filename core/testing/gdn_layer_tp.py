@@ -20,6 +20,8 @@ Used by tests/gpu/test_gdn_tp_cuda_graphs.py.
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 
 import torch
 
@@ -103,8 +105,14 @@ def _cuda_graph_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dic
     # megatron's local CUDA graphs hook save_for_backward during capture, which its torch.compile'd
     # (jit_fuser) GDN methods and fused bias-dropout-add do not survive (flag on or off): those
     # run eagerly here.
-    with eager_megatron_gdn():
-        return _captured_step(state, rank, tp_size, x, dy, device)
+    # A rank stuck in a collective (capture or replay out of step with its peer) prints every
+    # thread's stack before the NCCL timeout ends the process without one.
+    faulthandler.dump_traceback_later(60, exit=False, file=sys.stderr)
+    try:
+        with eager_megatron_gdn():
+            return _captured_step(state, rank, tp_size, x, dy, device)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
@@ -192,4 +200,16 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
         from core.testing.gdn import recurrent_gated_delta_rule
 
         gdn.torch_chunk_gated_delta_rule = recurrent_gated_delta_rule
-    save_rank_results(lambda: run_rank(rank, tp_size, device, cuda_graphs), out_dir, rank)
+    if not cuda_graphs:
+        save_rank_results(lambda: run_rank(rank, tp_size, device, cuda_graphs), out_dir, rank)
+        return
+    # After NCCL collectives were captured in a CUDA graph, destroy_process_group() waits on
+    # the capture's pending-work count and never returns (pytorch/pytorch#115388): the rank
+    # writes its results and leaves without tearing its process groups down.
+    import os
+
+    torch.save(run_rank(rank, tp_size, device, cuda_graphs), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -11,8 +11,9 @@ Flag on, per forward (and again when ``gdn_norm_out`` selective recompute re-run
       -> reshape(B, S, H*D).transpose(0, 1).contiguous()   a no-op: the buffer is already sbhd
       -> CP all-to-all, out_proj
 
-The gate is read in place as a strided slice of the in_proj output (megatron makes it
-contiguous in ``_prepare_input_for_gated_delta_rule``; the fused path skips that copy).
+The gate is read in place as a strided slice of the in_proj output, skipping megatron's copy in
+``_prepare_input_for_gated_delta_rule``, wherever that keeps no more memory for backward (see
+``GatedDeltaNet._reads_gate_in_place``); in ``deterministic_mode`` training it takes the copy.
 
 Both paths (flag on and off) also get:
   * ``config.gdn_out_norm_zero_centered_gamma`` honoured by the output norm;
@@ -268,14 +269,21 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                 f"module.out_norm.weight.{TP_AVG_TAG} = True on the new parameter."
             )
 
+    def _reads_gate_in_place(self) -> bool:
+        """The gate is a slice of the in_proj output. Read in place, it saves megatron's copy;
+        saved for backward, it keeps that whole buffer alive. That is free where the buffer is
+        kept anyway -- FLA's ``causal_conv1d`` (megatron's path outside ``deterministic_mode``)
+        saves its strided qkv input, a view of the same buffer -- and when nothing is saved (no
+        autograd). ``deterministic_mode``'s torch conv copies qkv, so there the copy keeps less."""
+        return not self.config.deterministic_mode or not torch.is_grad_enabled()
+
     def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
-        if not self.fused_gated_norm:
+        if not (self.fused_gated_norm and self._reads_gate_in_place()):
             return super()._prepare_input_for_gated_delta_rule(
                 qkv, gate, batch, seq_len, *gate_feats
             )
-        # The gate is only read by the fused norm, which addresses the strided slice of the
-        # in_proj output in place: hand megatron an empty slice (its .contiguous() is a no-op)
-        # and keep the view.
+        # Megatron gets an empty slice (its .contiguous() is then a no-op); the kernel reads the
+        # strided view.
         query, key, value, _, *feats = super()._prepare_input_for_gated_delta_rule(
             qkv, gate[..., :0], batch, seq_len, *gate_feats
         )

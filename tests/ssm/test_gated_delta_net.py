@@ -117,8 +117,9 @@ def test_flag_off_is_megatron_unchanged():
         assert torch.equal(a[2][n], b[2][n]), n
 
 
-def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
-    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+def _spy_fused_path(module, monkeypatch) -> dict:
+    """Records the in_proj output, the gate and output of the fused norm, and the output of
+    megatron's _gated_norm_and_a2a during the module's forwards."""
     seen = {}
     module.in_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("in_proj", o[0]))
     real_fused = gdn_mod.apply_validated_gated_norm
@@ -138,15 +139,97 @@ def test_fused_path_reads_gate_in_place_and_writes_sbhd(monkeypatch):
         return out
 
     module._gated_norm_and_a2a = a2a_spy
-    x, dy = _inputs(torch.bfloat16, seed=3)
-    _run(module, x, dy)
-    gate = seen["gate"]
-    assert not gate.is_contiguous(), "the gate must be the strided in_proj slice, not a copy"
-    assert gate.untyped_storage().data_ptr() == seen["in_proj"].untyped_storage().data_ptr()
+    return seen
+
+
+def _check_sbhd_output_is_final(seen):
     assert seen["norm"].transpose(0, 1).is_contiguous()
     # megatron's reshape/transpose/.contiguous() after the norm returned the very same buffer
     assert seen["a2a"].data_ptr() == seen["norm"].data_ptr()
     assert seen["a2a"].shape == (SEQ, BATCH, 4 * 16)
+
+
+def test_fused_path_without_autograd_reads_gate_in_place_and_writes_sbhd(monkeypatch):
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    seen = _spy_fused_path(module, monkeypatch)
+    x, _ = _inputs(torch.bfloat16, seed=3)
+    with torch.no_grad():
+        module(x, attention_mask=None)
+    gate = seen["gate"]
+    assert not gate.is_contiguous(), "without autograd the gate is the strided in_proj slice"
+    assert gate.untyped_storage().data_ptr() == seen["in_proj"].untyped_storage().data_ptr()
+    _check_sbhd_output_is_final(seen)
+
+
+def test_fused_path_in_training_saves_a_compact_gate_and_writes_sbhd(monkeypatch):
+    """With autograd the gate backward keeps is megatron's contiguous copy: a view would keep
+    the whole in_proj output alive until backward."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    seen = _spy_fused_path(module, monkeypatch)
+    x, dy = _inputs(torch.bfloat16, seed=3)
+    _run(module, x, dy)
+    gate = seen["gate"]
+    assert gate.is_contiguous()
+    assert gate.untyped_storage().data_ptr() != seen["in_proj"].untyped_storage().data_ptr()
+    assert gate.untyped_storage().nbytes() == gate.numel() * gate.element_size()
+    _check_sbhd_output_is_final(seen)
+
+
+def _bytes_kept_for_backward(module, x) -> int:
+    """Bytes of the distinct storages that autograd holds for backward at the end of one forward
+    (parameters excluded; storages megatron's gdn_norm_out checkpoint has already released count
+    as 0): the activation memory the forward keeps, whatever the device."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: saved.append(tensor.untyped_storage()) or tensor, lambda t: t):
+        module(x.clone().requires_grad_(True), attention_mask=None)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept = {s.data_ptr(): s.nbytes() for s in saved if s.nbytes() and s.data_ptr() not in params}
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "gdn_norm_out-recompute"])
+def test_flag_keeps_no_more_activation_memory_in_deterministic_mode(recompute):
+    """deterministic_mode's torch conv copies qkv, so the in_proj output would be freed: the
+    fused path takes megatron's gate copy and keeps at most what flag off keeps; with
+    gdn_norm_out recompute (the checkpoint keeps the norm's inputs on both paths) exactly that."""
+    extra = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]) \
+        if recompute else {}
+    x, _ = _inputs(torch.bfloat16, seed=5)
+    kept = {fused: _bytes_kept_for_backward(
+        build_gdn_module(gdn_config(fused_gated_norm=fused, **extra)), x) for fused in (False, True)}
+    if recompute:
+        assert kept[True] == kept[False]
+    else:
+        assert kept[True] <= kept[False]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "gdn_norm_out-recompute"])
+def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute):
+    """Outside deterministic_mode FLA's causal_conv1d (run here in the Triton interpreter) saves
+    a strided view of the in_proj output, so the buffer lives until backward anyway and the gate
+    read in place costs nothing: the fused path keeps the gate copy less than flag off (the
+    chunk rule is the torch stand-in; FLA's does not run on the CPU)."""
+    import megatron.core.ssm.gated_delta_net.gdn as megatron_gdn
+    from fla.modules.convolution import causal_conv1d  # what megatron imports
+
+    from core.testing.cpu import torch_chunk_gated_delta_rule
+
+    # FLA's conv itself (other test modules may have installed the CPU stand-ins at import)
+    monkeypatch.setattr(megatron_gdn, "causal_conv1d", causal_conv1d)
+    monkeypatch.setattr(megatron_gdn, "chunk_gated_delta_rule", torch_chunk_gated_delta_rule)
+    extra = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]) \
+        if recompute else {}
+    x, _ = _inputs(torch.bfloat16, seed=5)
+    kept, modules = {}, {}
+    for fused in (False, True):
+        modules[fused] = build_gdn_module(
+            gdn_config(fused_gated_norm=fused, deterministic_mode=False, **extra))
+        assert modules[fused].gated_delta_rule is torch_chunk_gated_delta_rule
+        kept[fused] = _bytes_kept_for_backward(modules[fused], x)
+    gate_copy = SEQ * BATCH * 4 * 16 * 2  # [B, S, 4 value heads, 16] bf16
+    assert kept[False] - kept[True] >= gate_copy
+    assert modules[True]._reads_gate_in_place()
 
 
 def test_fused_forward_checks_inputs_once(monkeypatch):

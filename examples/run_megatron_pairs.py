@@ -4,8 +4,9 @@ that switch it, with examples/pretrain_gdn_megatron.py.
 
     python examples/run_megatron_pairs.py                  # 2 GPUs; without a GPU: tiny, gloo
 
-Launches (each a fresh ``torchrun --standalone``, same seed, ``--deterministic-mode``, bf16 on
-a GPU, the indexed dataset of examples/data written first):
+Launches (each a fresh ``torchrun --standalone``, same seed, bf16 on a GPU, the indexed dataset
+of examples/data written first; the GDN core runs FLA's kernels or, with
+``--deterministic-mode``, megatron's torch chunk rule: ``--gdn-kernels``):
 
   * TP 1: flag off, flag on (``--steps`` iterations each, a checkpoint at ``--save-at``);
   * TP 2 with ``--sequence-parallel`` and selective recompute of ``gdn_norm_out``: off, on;
@@ -66,7 +67,7 @@ COMMON = [
     "--qk-layernorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
     "--hidden-dropout", "0", "--attention-dropout", "0",
     "--experimental-attention-variant", "gated_delta_net", "--linear-conv-kernel-dim", "4",
-    "--transformer-impl", "local", "--deterministic-mode",
+    "--transformer-impl", "local",
     # torch paths: no Transformer Engine, apex or megatron's CUDA extensions
     "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
     "--no-persist-layer-norm", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
@@ -96,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-format", choices=["auto", "torch_dist", "torch"], default="auto")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=int, default=420, help="seconds per launch")
+    p.add_argument("--gdn-kernels", choices=["auto", "fla", "torch"], default="auto",
+                   help="the GDN core: FLA's Triton kernels (the speed a user gets), or megatron's "
+                        "torch chunk rule under --deterministic-mode (host-bound: tokens/s then "
+                        "says nothing about the norm); auto: FLA where its backward runs on this "
+                        "machine (a GPU; triton >= 3.7.1 on Hopper), else torch")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 60 if HAS_CUDA else 4
@@ -108,10 +114,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif args.ckpt_format == "torch_dist" and not importlib.util.find_spec("psutil"):
         p.error("--ckpt-format torch_dist: megatron's checkpoint writer needs psutil "
                 "(pip install psutil), or use --ckpt-format torch")
+    fla_unavailable = fla_backward_unavailable()
+    if args.gdn_kernels == "auto":
+        args.gdn_kernels = "torch" if fla_unavailable else "fla"
+    elif args.gdn_kernels == "fla" and fla_unavailable:
+        p.error(f"--gdn-kernels fla: {fla_unavailable}")
     for tp in args.tp_sizes:
         if tp < 1 or (HAS_CUDA and tp > torch.cuda.device_count()):
             p.error(f"--tp-sizes {tp}: needs 1 <= TP <= {torch.cuda.device_count()} GPUs")
     return args
+
+
+def fla_backward_unavailable() -> str:
+    """Why FLA's GDN kernels cannot train here ('' when they can): no GPU (FLA's chunk kernel
+    does not run in the Triton interpreter), no fla-core, or triton < 3.7.1 on Hopper."""
+    if not HAS_CUDA:
+        return "no GPU (FLA's chunk kernel does not run in the Triton interpreter)"
+    sys.path.insert(0, ROOT)
+    from core.testing.gdn import fla_gdn_backward_unavailable
+
+    return fla_gdn_backward_unavailable()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,6 +152,7 @@ def launch(args, name: str, tp: int, fused: bool, extra: list[str]) -> dict:
            "--tensor-model-parallel-size", str(tp), "--seed", str(args.seed),
            "--data-path", args.data_prefix, "--data-cache-path", os.path.join(args.out, "cache"),
            "--ckpt-format", args.ckpt_format, "--gdn-metrics-out", metrics,
+           *(["--deterministic-mode"] if args.gdn_kernels == "torch" else []),
            *(["--sequence-parallel", *RECOMPUTE] if tp > 1 else []),
            *(["--fused-gated-norm"] if fused else []), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -240,7 +263,7 @@ def _fmt(value, spec: str) -> str:
 
 def table(summary: dict) -> str:
     lines = [f"{summary['device']}; {summary['steps']} iterations, seed {summary['seed']}, "
-             f"checkpoints {summary['ckpt_format']}"]
+             f"checkpoints {summary['ckpt_format']}, GDN kernels {summary['gdn_kernels']}"]
     head = (f"{'pair':<22}{'GDN fused':>10}{'bitwise':>9}{'max|dL| 1-10':>14}{'max|dL|':>10}"
             f"{'last-10 mean off/on':>22}{'tok/s off/on':>20}{'fwd kept MiB off/on':>22}")
     lines += [head, "-" * len(head)]
@@ -299,7 +322,7 @@ def main(argv=None) -> dict:
         "device": runs[next(iter(runs))]["device"],
         "torch": torch.__version__,
         "steps": args.steps, "save_at": args.save_at, "seed": args.seed,
-        "ckpt_format": args.ckpt_format,
+        "ckpt_format": args.ckpt_format, "gdn_kernels": args.gdn_kernels,
         "pairs": {f"tp{tp}" + (" +SP +recompute" if tp > 1 else ""):
                   pair_summary(runs[f"tp{tp}_off"], runs[f"tp{tp}_on"])
                   for tp in args.tp_sizes},

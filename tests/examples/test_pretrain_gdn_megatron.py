@@ -88,8 +88,19 @@ def test_driver_comparisons():
     assert res["vs_saver"]["max_abs_diff"] == 0.0
     assert res["vs_uninterrupted_on"]["max_abs_diff"] == pytest.approx(8e-6)
     text = driver.table({"device": "cpu", "steps": 8, "seed": 1, "ckpt_format": "torch",
-                         "pairs": {"tp1": pair}, "resumes": {"tp1_off_resumed_on": res}})
+                         "gdn_kernels": "torch", "pairs": {"tp1": pair}, "resumes": {"tp1_off_resumed_on": res}})
     assert "tp1" in text and "3/8" in text and "loaded iteration 4" in text
+
+
+def test_gdn_kernels_choice_without_fla_backward(monkeypatch):
+    driver = _module(DRIVER, "run_megatron_pairs")
+    monkeypatch.setattr(driver, "fla_backward_unavailable", lambda: "no GPU")
+    assert driver.parse_args(["--gdn-kernels", "auto"]).gdn_kernels == "torch"
+    assert driver.parse_args(["--gdn-kernels", "torch"]).gdn_kernels == "torch"
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--gdn-kernels", "fla"])
+    monkeypatch.setattr(driver, "fla_backward_unavailable", lambda: "")
+    assert driver.parse_args([]).gdn_kernels == "fla"
 
 
 def test_pairs_through_megatrons_training_loop(tmp_path):
@@ -102,6 +113,8 @@ def test_pairs_through_megatrons_training_loop(tmp_path):
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["ckpt_format"] == "torch_dist" and summary["steps"] == STEPS
+    assert summary["gdn_kernels"] == "torch"  # auto without a GPU: megatron's torch chunk rule
+    assert "--deterministic-mode" in (out / "logs" / "tp1_on.log").read_text().splitlines()[0]
 
     assert list(summary["pairs"]) == ["tp1"]
     for name, pair in summary["pairs"].items():

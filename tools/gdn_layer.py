@@ -5,12 +5,15 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
   * parity: the norm section on the layer's own tensors (bitwise share against megatron's
     unfused _apply_gated_norm, eager and as jit_fuser compiles it; out, dx, dgate, dW errors
     against float64), and the whole layer's errors against an fp32 copy of it;
-  * speed and memory: forward + backward time (CUDA events, median) and peak memory of the
-    layer, S=4096 B=1 and S=8192 B=2;
+  * speed and memory: forward + backward time (CUDA events, median), peak memory and the
+    activation memory the forward keeps for backward (bytes per token) of the layer, S=4096 B=1
+    and S=8192 B=2; with ``--value-heads`` at the per-rank head counts of tensor parallelism
+    (TP 1, 4, 8 of Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
   * where the gain comes from: the output-norm section alone, its GPU time per kernel
     (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
 
     python tools/gdn_layer.py [--out DIR] [--parts parity,perf,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
+    python tools/gdn_layer.py --parts perf --value-heads 32 8 4 --shapes 4096x1 8192x1
     torchrun --nproc-per-node 2 tools/gdn_layer.py --tp 2 [--out DIR]   # -> DIR/gdn_layer_tp2.json
     python tools/gdn_layer.py --cpu --out DIR     # tiny shapes on the CPU (a dry run of this script)
 
@@ -59,6 +62,16 @@ class LayerSetup:
     @property
     def cpu(self) -> bool:
         return self.device == "cpu"
+
+    def with_value_heads(self, heads: int) -> "LayerSetup":
+        """The per-rank GDN of a TP run that leaves ``heads`` value heads on each rank (key heads
+        in the same ratio), as one TP = 1 module: what one GPU computes at that TP size."""
+        total_v, total_k = self.sizes["num_value_heads"], self.sizes["num_key_heads"]
+        if heads < 1 or total_v % heads or (total_k * heads) % total_v:
+            raise ValueError(f"--value-heads {heads}: must divide {total_v} value heads with the "
+                             f"{total_k} key heads in proportion")
+        sizes = dict(self.sizes, num_value_heads=heads, num_key_heads=total_k * heads // total_v)
+        return dataclasses.replace(self, sizes=sizes)
 
     def make_module(self, fused: bool, dtype=torch.bfloat16, deterministic: bool = False, **extra):
         from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights
@@ -229,17 +242,22 @@ def timings_ms(setup: LayerSetup, fn, iters: int, warmup: int = 3) -> list:
 
 
 def measure(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
-    """Peak memory above the inputs (GPU) and forward + backward time of the layer."""
+    """Forward + backward time of the layer, its peak memory above the inputs (GPU) and the
+    activation memory its forward keeps for backward per token."""
+    from core.testing.gdn import bytes_kept_for_backward
+
     module = setup.make_module(fused)
     x, dy = setup.inputs(seq, batch, seed=2)
     xr = x.detach().clone().requires_grad_(True)
+    kept, _ = bytes_kept_for_backward(lambda: module(xr, attention_mask=None),
+                                      exclude=module.parameters())
 
     def step():
         module.zero_grad(set_to_none=True)
         xr.grad = None
         module(xr, attention_mask=None)[0].backward(dy)
 
-    res = {}
+    res = {"kept_bytes_per_token": kept / (seq * batch)}
     times = timings_ms(setup, step, iters)
     if not setup.cpu:
         torch.cuda.empty_cache()
@@ -361,7 +379,9 @@ def summary_lines(results: dict) -> list[str]:
         off = results["perf"][f"{shape} off"]
         lines.append(f"layer {shape}: fwd+bwd {off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
                      f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x), peak "
-                     f"{off.get('peak_mib', float('nan')):.1f} -> {on.get('peak_mib', float('nan')):.1f} MiB")
+                     f"{off.get('peak_mib', float('nan')):.1f} -> {on.get('peak_mib', float('nan')):.1f} MiB, "
+                     f"kept for backward {off['kept_bytes_per_token']:.0f} -> "
+                     f"{on['kept_bytes_per_token']:.0f} bytes/token")
     for b in results.get("breakdown", {}).values():
         lines.append(f"norm section {b['shape']}: GPU kernels {b['unfused']['kernel_ms']:.3f} -> "
                      f"{b['fused']['kernel_ms']:.3f} ms (norm + gate kernels {b['gain_from_kernels_ms']:.3f}, "
@@ -438,6 +458,10 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
+    parser.add_argument("--value-heads", type=int, nargs="+", default=None,
+                        help="perf at these per-rank value-head counts (default: all of the model)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="SxB",
+                        help="perf shapes, sequence x batch (default: 4096x1 8192x2; CPU 64x2)")
     parser.add_argument("--tp", type=int, default=1,
                         help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
     args = parser.parse_args(argv)
@@ -466,6 +490,17 @@ def main(argv=None) -> None:
 
             mjit.disable_jit_fuser()
         setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters
+    perf_shapes = shapes
+    if args.shapes:
+        try:
+            perf_shapes = tuple(tuple(int(n) for n in shape.split("x", 1)) for shape in args.shapes)
+        except ValueError:
+            parser.error(f"--shapes {args.shapes}: each must be SEQxBATCH, e.g. 4096x1")
+    heads = args.value_heads or [setup.sizes["num_value_heads"]]
+    try:
+        per_rank = {h: setup.with_value_heads(h) for h in heads}
+    except ValueError as e:
+        parser.error(str(e))
     init_single_process(setup)
     if setup.cpu:
         results = {"device": "cpu", "torch": torch.__version__}
@@ -486,11 +521,14 @@ def main(argv=None) -> None:
         save()
     if "perf" in parts:
         results["perf"] = {}
-        for seq, batch in shapes:
-            for fused in (False, True):
-                results["perf"][f"S={seq} B={batch} {'on' if fused else 'off'}"] = measure(
-                    setup, seq, batch, fused, iters)
-                save()
+        all_heads = setup.sizes["num_value_heads"]
+        for h, rank_setup in per_rank.items():
+            for seq, batch in perf_shapes:
+                for fused in (False, True):
+                    name = (f"H={h} " if h != all_heads else "") + \
+                        f"S={seq} B={batch} {'on' if fused else 'off'}"
+                    results["perf"][name] = measure(rank_setup, seq, batch, fused, iters)
+                    save()
     if "breakdown" in parts:
         results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)
                                 for seq, batch in shapes}

@@ -86,6 +86,24 @@ def eager_megatron_gdn():
             setattr(_GDNBase, name, value)
 
 
+def bytes_kept_for_backward(forward, exclude=()) -> tuple[int, object]:
+    """Run ``forward()``; return (bytes of the distinct storages autograd holds for backward once
+    it has returned, its result). Storages of ``exclude`` (the parameters) are left out, and
+    storages released meanwhile (megatron's gdn_norm_out checkpoint frees its output) count 0:
+    the activation memory a forward keeps, the same count on any device."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.untyped_storage())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = forward()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept = {s.data_ptr(): s.nbytes() for s in saved if s.nbytes() and s.data_ptr() not in skip}
+    return sum(kept.values()), result
+
+
 def gdn_config(
     hidden_size: int = 64,
     num_key_heads: int = 2,

@@ -16,6 +16,7 @@ import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
 from core.fusions.gated_norm_reference import relative_error, ulp_distance  # noqa: E402
 from core.testing.gdn import (  # noqa: E402
     build_gdn_layer,
+    bytes_kept_for_backward,
     build_gdn_module,
     gdn_config,
     randomize_norm_weights,
@@ -176,16 +177,9 @@ def test_fused_path_in_training_saves_a_compact_gate_and_writes_sbhd(monkeypatch
 
 
 def _bytes_kept_for_backward(module, x) -> int:
-    """Bytes of the distinct storages that autograd holds for backward at the end of one forward
-    (parameters excluded; storages megatron's gdn_norm_out checkpoint has already released count
-    as 0): the activation memory the forward keeps, whatever the device."""
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: saved.append(tensor.untyped_storage()) or tensor, lambda t: t):
-        module(x.clone().requires_grad_(True), attention_mask=None)
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept = {s.data_ptr(): s.nbytes() for s in saved if s.nbytes() and s.data_ptr() not in params}
-    return sum(kept.values())
+    return bytes_kept_for_backward(
+        lambda: module(x.clone().requires_grad_(True), attention_mask=None),
+        exclude=module.parameters())[0]
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "gdn_norm_out-recompute"])

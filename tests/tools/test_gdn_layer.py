@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gdn_layer import kernel_group
+from tools.gdn_layer import QWEN3_NEXT, LayerSetup, kernel_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,8 @@ def test_kernel_group(name, group):
 
 def test_cpu_dry_run_writes_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "tools/gdn_layer.py", "--cpu", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "tools/gdn_layer.py", "--cpu", "--out", str(tmp_path),
+                           "--value-heads", "4", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gdn_layer.json").read_text())
@@ -39,7 +40,25 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     section = results["parity"]["norm_section"]
     assert section["out_bitwise_vs_eager"] == 1.0  # the CPU's summation orders agree
     assert set(section["rel_err_vs_float64"]) == {"out", "dx", "dgate", "dweight"}
-    assert set(results["perf"]) == {"S=64 B=2 off", "S=64 B=2 on"}
+    assert set(results["perf"]) == {"S=64 B=2 off", "S=64 B=2 on", "H=2 S=64 B=2 off",
+                                     "H=2 S=64 B=2 on"}
+    for shape in ("S=64 B=2", "H=2 S=64 B=2"):
+        off, on = results["perf"][f"{shape} off"], results["perf"][f"{shape} on"]
+        assert 0 < on["kept_bytes_per_token"] <= off["kept_bytes_per_token"]
+    # half the heads keep less per token
+    assert results["perf"]["H=2 S=64 B=2 on"]["kept_bytes_per_token"] < \
+        results["perf"]["S=64 B=2 on"]["kept_bytes_per_token"]
     for split in results["breakdown"].values():
         assert split["unfused"]["kernel_ms"] > 0 and split["fused"]["kernel_ms"] > 0
         assert split["unfused"]["copy_calls"] > split["fused"]["copy_calls"]  # the copies removed
+
+
+def test_per_rank_head_counts_of_qwen3_next():
+    setup = LayerSetup("cpu", dict(QWEN3_NEXT))
+    for tp, heads, key_heads in ((1, 32, 16), (4, 8, 4), (8, 4, 2)):
+        sizes = setup.with_value_heads(heads).sizes
+        assert (sizes["num_value_heads"], sizes["num_key_heads"]) == (heads, key_heads), tp
+        assert sizes["hidden_size"] == QWEN3_NEXT["hidden_size"]
+    for bad in (3, 0, 64):
+        with pytest.raises(ValueError, match=f"--value-heads {bad}"):
+            setup.with_value_heads(bad)

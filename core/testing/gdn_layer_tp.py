@@ -21,6 +21,7 @@ Used by tests/gpu/test_gdn_tp_cuda_graphs.py.
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 
 import torch
@@ -206,8 +207,6 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
     # After NCCL collectives were captured in a CUDA graph, destroy_process_group() waits on
     # the capture's pending-work count and never returns (pytorch/pytorch#115388): the rank
     # writes its results and leaves without tearing its process groups down.
-    import os
-
     torch.save(run_rank(rank, tp_size, device, cuda_graphs), os.path.join(out_dir, f"rank{rank}.pt"))
     torch.cuda.synchronize()
     sys.stdout.flush()

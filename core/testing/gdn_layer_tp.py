@@ -207,7 +207,8 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
     # After NCCL collectives were captured in a CUDA graph, destroy_process_group() waits on
     # the capture's pending-work count and never returns (pytorch/pytorch#115388): the rank
     # writes its results and leaves without tearing its process groups down.
-    torch.save(run_rank(rank, tp_size, device, cuda_graphs), os.path.join(out_dir, f"rank{rank}.pt"))
+    results = run_rank(rank, tp_size, device, cuda_graphs)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.cuda.synchronize()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -21,7 +21,6 @@ Used by tests/gpu/test_gdn_tp_cuda_graphs.py.
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 
 import torch
@@ -201,15 +200,5 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, out_dir: str, cuda_gra
         from core.testing.gdn import recurrent_gated_delta_rule
 
         gdn.torch_chunk_gated_delta_rule = recurrent_gated_delta_rule
-    if not cuda_graphs:
-        save_rank_results(lambda: run_rank(rank, tp_size, device, cuda_graphs), out_dir, rank)
-        return
-    # After NCCL collectives were captured in a CUDA graph, destroy_process_group() waits on
-    # the capture's pending-work count and never returns (pytorch/pytorch#115388): the rank
-    # writes its results and leaves without tearing its process groups down.
-    results = run_rank(rank, tp_size, device, cuda_graphs)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.cuda.synchronize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    save_rank_results(lambda: run_rank(rank, tp_size, device, cuda_graphs), out_dir, rank,
+                      graphs_captured_nccl=cuda_graphs)

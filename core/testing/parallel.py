@@ -43,6 +43,7 @@ import dataclasses
 import datetime
 import os
 import re
+import sys
 import traceback
 from functools import partial
 from typing import Optional
@@ -582,11 +583,23 @@ def layout_worker(rank: int, world_size: int, init_file: str, reference_path: st
                       out_dir, rank)
 
 
-def save_rank_results(run, out_dir: str, rank: int) -> None:
+def save_rank_results(run, out_dir: str, rank: int, graphs_captured_nccl: bool = False) -> None:
     """``torch.save`` of ``run()`` as ``out_dir/rank{rank}.pt``, then the process groups torn
-    down, whatever happened: the end of every spawned rank."""
+    down, whatever happened: the end of every spawned rank.
+
+    ``graphs_captured_nccl``: ``run`` captured NCCL collectives in a CUDA graph, after which
+    ``destroy_process_group()`` waits on the capture's pending-work count and never returns
+    (pytorch/pytorch#115388). The rank then saves its results and leaves the process without
+    tearing its process groups down."""
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    if graphs_captured_nccl:
+        torch.save(run(), path)
+        torch.cuda.synchronize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     try:
-        torch.save(run(), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(run(), path)
     finally:
         from megatron.core import parallel_state
 

@@ -9,11 +9,14 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
     activation memory the forward keeps for backward (bytes per token) of the layer, S=4096 B=1
     and S=8192 B=2; with ``--value-heads`` at the per-rank head counts of tensor parallelism
     (TP 1, 4, 8 of Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
+  * under megatron's local CUDA graphs (``graphs``, GPU): forward + backward of a GDN
+    TransformerLayer (input norm, GDN, MLP) whose forward and backward are captured and replayed,
+    at the same head counts and shapes;
   * where the gain comes from: the output-norm section alone, its GPU time per kernel
     (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
 
-    python tools/gdn_layer.py [--out DIR] [--parts parity,perf,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
-    python tools/gdn_layer.py --parts perf --value-heads 32 8 4 --shapes 4096x1 8192x1
+    python tools/gdn_layer.py [--out DIR] [--parts parity,perf,graphs,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
+    python tools/gdn_layer.py --parts perf,graphs --value-heads 32 8 4 --shapes 4096x1 8192x1
     torchrun --nproc-per-node 2 tools/gdn_layer.py --tp 2 [--out DIR]   # -> DIR/gdn_layer_tp2.json
     python tools/gdn_layer.py --cpu --out DIR     # tiny shapes on the CPU (a dry run of this script)
 
@@ -45,7 +48,7 @@ QWEN3_NEXT = dict(hidden_size=2048, num_key_heads=16, num_value_heads=32, key_he
 TINY = dict(hidden_size=64, num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16)
 GPU_SHAPES = ((4096, 1), (8192, 2))  # (sequence, batch)
 CPU_SHAPES = ((64, 2),)
-PARTS = ("parity", "perf", "breakdown")
+PARTS = ("parity", "perf", "graphs", "breakdown")
 # Layer tensors with at least this many elements estimate their error against the fp32 layer
 # well; the few-element parameters (one value per head: A_log, dt_bias; out_norm.weight) do not.
 WELL_SAMPLED = {"cuda": 2**16, "cpu": 2**10}
@@ -273,6 +276,58 @@ def measure(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) ->
     return res
 
 
+def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
+    """Forward + backward of a GDN TransformerLayer (input norm, GatedDeltaNet, MLP) under
+    megatron's local CUDA graphs (``cuda_graph_impl="local"``), wrapped in megatron's DDP: one
+    eager step records the layer, ``create_cudagraphs()`` captures its forward and backward, the
+    timed steps replay them. megatron's jit_fuser'd GDN methods and fused bias-dropout-add do not
+    survive the capture, flag on or off, so both run eagerly here (the flag-off norm is the eager
+    unfused one). GPU only."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+    from core.ssm.gated_delta_net import GatedDeltaNet
+    from core.testing.gdn import build_gdn_layer, eager_megatron_gdn, gdn_config
+    from core.testing.gdn_layer_tp import reset_cuda_graphs, wrap_ddp
+
+    x, dy = setup.inputs(seq, batch, seed=2)
+    norm_calls = []
+    original = GatedDeltaNet._apply_gated_norm
+
+    def counting(self, *args):
+        norm_calls.append(1)
+        return original(self, *args)
+
+    with eager_megatron_gdn():
+        reset_cuda_graphs()
+        model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
+        config = gdn_config(params_dtype=torch.bfloat16, fused_gated_norm=fused,
+                            deterministic_mode=False, cuda_graph_impl="local",
+                            bias_dropout_fusion=False, **setup.sizes)
+        model = wrap_ddp(build_gdn_layer(config, seed=None).to(setup.device))
+
+        def step():
+            model.zero_grad_buffer()
+            model(x.detach().requires_grad_(True), attention_mask=None)[0].backward(dy)
+
+        try:
+            step()  # eager, recorded
+            create_cudagraphs()
+            GatedDeltaNet._apply_gated_norm = counting
+            times = timings_ms(setup, step, iters)
+            runners = model.module.cudagraph_manager.cudagraph_runners
+            captured = all(r.fwd_graph is not None and r.bwd_graph is not None for r in runners)
+        finally:
+            GatedDeltaNet._apply_gated_norm = original
+            reset_cuda_graphs()
+            del model
+            model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+            torch.cuda.empty_cache()
+    return dict(fwd_bwd_ms_median=statistics.median(times), fwd_bwd_ms_min=min(times),
+                graphs_captured=captured and bool(runners),
+                python_norm_calls_per_step=len(norm_calls) / (iters + 3))
+
+
 def kernel_group(name: str) -> str:
     """'copies', 'fills' or 'rest' (the norm and gate math) for a profiled kernel name."""
     low = name.lower()
@@ -382,6 +437,14 @@ def summary_lines(results: dict) -> list[str]:
                      f"{off.get('peak_mib', float('nan')):.1f} -> {on.get('peak_mib', float('nan')):.1f} MiB, "
                      f"kept for backward {off['kept_bytes_per_token']:.0f} -> "
                      f"{on['kept_bytes_per_token']:.0f} bytes/token")
+    graphs = results.get("graphs", {})
+    for shape, on in ((k[:-3], v) for k, v in graphs.items() if k.endswith(" on")):
+        off = graphs[f"{shape} off"]
+        lines.append(f"layer {shape}, megatron CUDA graphs (TransformerLayer): fwd+bwd "
+                     f"{off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
+                     f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x), captured "
+                     f"{off['graphs_captured']}/{on['graphs_captured']}, Python norm calls per "
+                     f"step {on['python_norm_calls_per_step']:.2f}")
     for b in results.get("breakdown", {}).values():
         lines.append(f"norm section {b['shape']}: GPU kernels {b['unfused']['kernel_ms']:.3f} -> "
                      f"{b['fused']['kernel_ms']:.3f} ms (norm + gate kernels {b['gain_from_kernels_ms']:.3f}, "
@@ -528,6 +591,18 @@ def main(argv=None) -> None:
                     name = (f"H={h} " if h != all_heads else "") + \
                         f"S={seq} B={batch} {'on' if fused else 'off'}"
                     results["perf"][name] = measure(rank_setup, seq, batch, fused, iters)
+                    save()
+    if "graphs" in parts and setup.cpu:
+        results["graphs"] = {"skipped": "megatron's CUDA graphs need a GPU"}
+    elif "graphs" in parts:
+        results["graphs"] = {}
+        all_heads = setup.sizes["num_value_heads"]
+        for h, rank_setup in per_rank.items():
+            for seq, batch in perf_shapes:
+                for fused in (False, True):
+                    name = (f"H={h} " if h != all_heads else "") + \
+                        f"S={seq} B={batch} {'on' if fused else 'off'}"
+                    results["graphs"][name] = measure_graphed(rank_setup, seq, batch, fused, iters)
                     save()
     if "breakdown" in parts:
         results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)

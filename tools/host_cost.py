@@ -62,17 +62,20 @@ class HostTimer:
 
 
 class _RecordingKernel:
-    """Stands in for gated_norm_fwd: ``kernel[grid](*args, num_warps=...)`` records, runs nothing."""
+    """Stands in for gated_norm_fwd: ``kernel[grid](*args, num_warps=..., **options)`` records,
+    runs nothing."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
-        return lambda *args, num_warps: self.launches.append((grid[0], args, num_warps))
+        return lambda *args, num_warps, **options: self.launches.append(
+            (grid[0], args, num_warps, options))
 
 
 def forward_launch_arguments(x, gate, weight):
-    """(grid, tensors, scalars, warps) exactly as forward_impl hands them to its launcher."""
+    """(grid, tensors, scalars, warps, options) exactly as forward_impl hands them to its
+    launcher (options: launch_pdl where the GPU takes programmatic dependent launch)."""
     launcher, recorder = fgn.launch_forward, _RecordingKernel()
     kernel, compiled = launcher.kernel, launcher.compiled
     launcher.kernel, launcher.compiled = recorder, {}  # every launch reaches the recorder
@@ -80,8 +83,8 @@ def forward_launch_arguments(x, gate, weight):
         fgn.forward_impl(x, gate, weight, EPS)
     finally:
         launcher.kernel, launcher.compiled = kernel, compiled
-    grid, args, warps = recorder.launches[0]
-    return grid, args[:5], args[5:], warps
+    grid, args, warps, options = recorder.launches[0]
+    return grid, args[:5], args[5:], warps, options
 
 
 class _Scale(torch.autograd.Function):
@@ -112,17 +115,20 @@ def training_host_cost(timer: HostTimer) -> None:
     # (JITFunction.run) and the project's launcher with forward_impl's own arguments.
     timer.measure("ref_torch_add_us", lambda: xd.add(1))
     timer.measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))
-    grid, tensors, scalars, warps = forward_launch_arguments(xd, gd, wd)
+    grid, tensors, scalars, warps, options = forward_launch_arguments(xd, gd, wd)
     timer.measure("ref_triton_launch_us",
-                  lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps))
-    timer.measure("direct_launcher_us", lambda: fgn.launch_forward(grid, tensors, scalars, warps))
-    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps)
+                  lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps, **options))
+    timer.measure("direct_launcher_us",
+                  lambda: fgn.launch_forward(grid, tensors, scalars, warps, **options))
+    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps,
+                                          **options)
     timer.measure("direct_launcher_prepared_us",
                   lambda: fgn.launch_forward.launch(grid, tensors, prepared))
     timer.add_sum("validation_plus_launch_us", "validation_us", "direct_launcher_us")
     # The compiled kernel called by hand (Triton-internal call convention): the floor of any
     # Python-side launch; with addresses, Triton's launcher skips its per-tensor driver query.
-    compiled = fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps)[(grid, 1, 1)]
+    compiled = fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps,
+                                           **options)[(grid, 1, 1)]
     timer.measure("ref_compiled_kernel_launch_us", lambda: compiled(*tensors, *scalars))
     pointers = [t.data_ptr() for t in tensors]
     timer.measure("ref_compiled_kernel_int_pointers_us", lambda: compiled(*pointers, *scalars))

@@ -37,8 +37,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -64,6 +66,27 @@ def recording(launcher):
         launcher.kernel, launcher.compiled = kernel, compiled
 
 
+@contextlib.contextmanager
+def h200_launch_rules():
+    """While open, forward_impl / backward_impl take the launch parameters an H200 gets (132
+    SMs, sm_90: pipelining and programmatic dependent launch) for tensors on any device."""
+    gpu = torch.device("cuda", 0)
+    saved = (fgn.forward_launch, fgn.backward_launch, dict(fgn._launch_plans),
+             launch_rules.sm_count, launch_rules.programmatic_dependent_launch)
+    launch_rules.sm_count = lambda device: H200_SMS
+    launch_rules.programmatic_dependent_launch = lambda device: True
+    fgn.forward_launch = lambda dim, device: launch_rules.forward_launch.__wrapped__(dim, gpu)
+    fgn.backward_launch = lambda dim, device: launch_rules.backward_launch.__wrapped__(dim, gpu)
+    fgn._launch_plans.clear()
+    try:
+        yield
+    finally:
+        (fgn.forward_launch, fgn.backward_launch, plans,
+         launch_rules.sm_count, launch_rules.programmatic_dependent_launch) = saved
+        fgn._launch_plans.clear()
+        fgn._launch_plans.update(plans)
+
+
 def sm90_binder(kernel):
     """Triton's own argument binder for ``kernel`` (a @triton.jit function of fused_gated_norm)
     and an sm_90 target: ``binder(*args, **kwargs) -> (bound, specialization, options)``, the
@@ -87,10 +110,16 @@ def _tensor(shape, dtype, unaligned):
 def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: int,
                      unaligned: bool = False) -> tuple[tuple, dict]:
     """The arguments forward_impl (kernel "fwd") or backward_impl ("bwd") passes to its kernel
-    for a [2, 64, 4, dim] input with this block."""
+    for a [2, 64, 4, dim] input with this block, under the H200's launch rules."""
     shape = (2, 64, 4, dim)
     x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
     weight = torch.ones(dim, dtype=dtype)
+    with h200_launch_rules():
+        return _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned)
+
+
+def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned):
+    shape, dtype = x.shape, x.dtype
     if kernel == "fwd":
         with recording(fgn.launch_forward) as launches:
             fgn.forward_impl(x, gate, weight, 1e-6, bt=bt, warps=warps,
@@ -149,7 +178,17 @@ def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: 
             base.with_suffix(f".{ext}").write_text(compiled.asm[ext])
     return {"kernel": kernel, "dim": dim, "dtype": dtype, "bt": bt, "warps": warps,
             "unaligned": unaligned, "row_layout": row_layouts(compiled.asm["ttgir"]),
-            "sass_instructions": sass_instructions(compiled.asm["cubin"])}
+            "sass_instructions": sass_instructions(compiled.asm["cubin"]),
+            "launch_pdl": bool(compiled.metadata.launch_pdl),
+            "waits_before_loading": waits_before_loading(compiled.asm["ptx"])}
+
+
+def waits_before_loading(ptx: str) -> bool:
+    """Whether the kernel waits for the previous grid (griddepcontrol.wait) before its first load
+    from global memory, as a kernel launched with programmatic dependent launch must."""
+    wait = ptx.find("griddepcontrol.wait")
+    load = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0), default=-1)
+    return wait >= 0 and (load < 0 or wait < load)
 
 
 def main(argv=None) -> None:

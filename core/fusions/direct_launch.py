@@ -111,18 +111,21 @@ def _warn_once(reason: str) -> None:
 
 
 class PreparedLaunch(NamedTuple):
-    """A kernel's scalar arguments and warps with ``signature``: the number its launcher gave to
-    the part of the launch key they and the tensors' dtypes decide (``DirectLauncher.prepare``).
-    A caller that launches one argument pattern repeatedly prepares it once."""
+    """A kernel's scalar arguments and launch options with ``signature``: the number its launcher
+    gave to the part of the launch key they and the tensors' dtypes decide
+    (``DirectLauncher.prepare``). A caller that launches one argument pattern repeatedly prepares
+    it once."""
     scalars: tuple
     num_warps: int
     signature: int
+    launch_pdl: bool = False  # programmatic dependent launch (Triton's compile option)
 
 
 class DirectLauncher:
     """``launch(grid, tensors, scalars, num_warps)`` == ``kernel[(grid,)](*tensors, *scalars,
     num_warps=num_warps)`` for a kernel whose parameters are the tensors followed by the
-    scalars, every parameter passed (defaults included: the compiled kernel takes them all).
+    scalars, every parameter passed (defaults included: the compiled kernel takes them all);
+    ``launch_pdl=True`` adds Triton's option of that name (the compiled kernel keeps it).
     The tensors are on the current CUDA device, as for ``kernel[grid]``; ``None`` is a null
     pointer. ``launch.launch(grid, tensors, launch.prepare(dtypes, scalars, num_warps))`` is the
     same launch with the key's argument part computed once."""
@@ -142,19 +145,22 @@ class DirectLauncher:
         # None until the first compiled kernel is checked (abi_mismatch), then True or False.
         self.direct = None if direct_launch_switch() else False
 
-    def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int) -> None:
+    def __call__(self, grid: int, tensors: tuple, scalars: tuple, num_warps: int,
+                 launch_pdl: bool = False) -> None:
         dtypes = tuple([None if t is None else t.dtype for t in tensors])
-        self.launch(grid, tensors, self.prepare(dtypes, scalars, num_warps))
+        self.launch(grid, tensors, self.prepare(dtypes, scalars, num_warps, launch_pdl))
 
-    def prepare(self, dtypes: tuple, scalars: tuple, num_warps: int) -> PreparedLaunch:
-        """``scalars`` and ``num_warps`` for tensors of ``dtypes`` (None for a null pointer)."""
-        static = (self._key_scalars(len(dtypes), scalars), num_warps, dtypes)
+    def prepare(self, dtypes: tuple, scalars: tuple, num_warps: int,
+                launch_pdl: bool = False) -> PreparedLaunch:
+        """``scalars`` and the launch options for tensors of ``dtypes`` (None for a null
+        pointer)."""
+        static = (self._key_scalars(len(dtypes), scalars), num_warps, launch_pdl, dtypes)
         signature = self.signatures.get(static)
         if signature is None:
             if len(self.signatures) >= MAX_KEYS:
                 self.signatures.clear()
             signature = self.signatures[static] = next(self._next_signature)
-        return PreparedLaunch(scalars, num_warps, signature)
+        return PreparedLaunch(scalars, num_warps, signature, launch_pdl)
 
     def launch(self, grid: int, tensors: tuple, prepared: PreparedLaunch) -> None:
         """Launch with ``prepared`` arguments; ``tensors`` have the dtypes it was prepared for."""
@@ -166,7 +172,8 @@ class DirectLauncher:
                 self._run(compiled, grid, device, tensors, pointers, prepared.scalars)
                 return
         scalars = prepared.scalars
-        compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=prepared.num_warps)
+        options = {"launch_pdl": True} if prepared.launch_pdl else {}
+        compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=prepared.num_warps, **options)
         if compiled is None or self.direct is False:
             return  # the interpreter ran it (nothing compiled to keep), or direct launch is off
         if self.direct is None:

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
 from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaunch,
@@ -143,6 +144,18 @@ def _round_to(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _dependent_launch_entry(PDL: tl.constexpr):
+    """First step of a kernel launched with programmatic dependent launch (PDL, sm_90+; see
+    gated_norm_launch): wait until the previous kernel in the stream has finished and its writes
+    are visible (before any load, the weight included: an optimizer step may just have written
+    it), then let the next kernel start launching. A kernel that starts early this way waits the
+    same way before it reads anything, so it never sees a partial result of this one."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _sigmoid(g):
     return 1.0 / (1.0 + tl.exp(-g))
 
@@ -181,6 +194,7 @@ def gated_norm_fwd(
     EPS, ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
     NORM_BEFORE_GATE: tl.constexpr = True, STORE_RSTD: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     """Writes out and (STORE_RSTD) one fp32 inverse RMS per row: program p handles rows
     [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: the loop alone cost 5-7 %
@@ -188,7 +202,9 @@ def gated_norm_fwd(
     loads in flight.
     NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
-    NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only)."""
+    NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only). PDL: launched with
+    programmatic dependent launch (_dependent_launch_entry)."""
+    _dependent_launch_entry(PDL)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
@@ -222,10 +238,12 @@ def gated_norm_bwd(
     X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, DY_FLAT_TOKENS: tl.constexpr,
     X_DENSE: tl.constexpr, GATE_DENSE: tl.constexpr, DY_DENSE: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
-    NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu",
+    NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu", STAGES: tl.constexpr = 1,
 ):
     """Persistent: program p handles row blocks p, p + P, ... and writes its fp32 partial dW to
-    ``dw_partial[p]``; the host sums the partials in a fixed order (deterministic, no atomics).
+    ``dw_partial[p]``; gated_norm_dw_sum adds the partials in a fixed order (deterministic, no
+    atomics). STAGES: software pipelining of the block loop (the loads of the next blocks are in
+    flight while one is computed).
 
     Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
     NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
@@ -235,7 +253,7 @@ def gated_norm_bwd(
     col_mask = cols < D
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
     dw_acc = tl.zeros((BT, BLOCK_D), dtype=tl.float32)
-    for block in range(pid, tl.cdiv(ROWS, BT), tl.num_programs(0)):
+    for block in tl.range(pid, tl.cdiv(ROWS, BT), tl.num_programs(0), num_stages=STAGES):
         row0, rows, row_mask, mask = _row_block(block, ROWS, BT, col_mask)
         x_ptrs = _row_pointers(x, row0, rows, cols, SEQUENCE, HEADS, D, X_STRIDES, X_FLAT_TOKENS,
                                X_DENSE)
@@ -340,31 +358,31 @@ def gated_norm_fwd_scalars(rows: int, heads: int, dim: int, seq: int,
                            layouts: tuple[Layout, Layout, Layout], eps: float,
                            zero_centered: bool, activation: str, rounding,
                            norm_before_gate: bool, store_rstd: bool, bt: int,
-                           block_d: int) -> tuple:
+                           block_d: int, pdl: bool) -> tuple:
     """``gated_norm_fwd``'s scalar arguments in the kernel's parameter order, for the training
     entry (``forward_impl``) and the inference entry alike (tests/fusions/test_fused_gated_norm.py
     pins the order to the signature).
 
     layouts: the ``Layout`` of x, gate and out; rounding: NORM_DTYPE, the Triton dtype the norm
     output is rounded to before the gate product (tl.float32: none); store_rstd False stores no
-    rstd (STORE_RSTD=False)."""
+    rstd (STORE_RSTD=False); pdl: PDL (launch with ``launch_pdl=pdl``)."""
     (x_strides, x_flat, x_dense), (g_strides, g_flat, g_dense), (o_strides, o_flat, o_dense) = layouts
     return (rows, heads, dim, seq, x_strides, g_strides, o_strides, x_flat, g_flat, o_flat,
             x_dense, g_dense, o_dense, eps, zero_centered, bt, block_d, rounding, activation,
-            norm_before_gate, store_rstd)
+            norm_before_gate, store_rstd, pdl)
 
 
 def launch_gated_norm_fwd(x, gate, weight, out, rstd, rows: int, heads: int, dim: int, seq: int,
                           layouts: tuple[Layout, Layout, Layout], eps: float, zero_centered: bool,
                           activation: str, rounding, norm_before_gate: bool, bt: int,
-                          block_d: int, warps: int) -> None:
+                          block_d: int, warps: int, pdl: bool) -> None:
     """One launch of ``gated_norm_fwd`` (one row block of ``bt`` rows per program) with
     arguments built on the spot (the inference entry); rstd None stores nothing."""
     launch_forward(
         cdiv(rows, bt), (x, gate, weight, out, rstd),
         gated_norm_fwd_scalars(rows, heads, dim, seq, layouts, eps, zero_centered, activation,
-                               rounding, norm_before_gate, rstd is not None, bt, block_d),
-        warps,
+                               rounding, norm_before_gate, rstd is not None, bt, block_d, pdl),
+        warps, pdl,
     )
 
 
@@ -413,10 +431,10 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
                                      (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
-                                     True, bt, cfg.block_d)
+                                     True, bt, cfg.block_d, cfg.pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32)
-    return _keep_plan(key, ForwardPlan(cdiv(rows, bt),
-                                       launch_forward.prepare(dtypes, scalars, warps or cfg.warps)))
+    return _keep_plan(key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
+        dtypes, scalars, warps or cfg.warps, cfg.pdl)))
 
 
 def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
@@ -434,7 +452,8 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     d_strides, d_flat, d_dense = _layout(dy, bt)
     scalars = (rows, heads, dim, seq,
                x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
-               zero_centered, bt, cfg.block_d, norm_dtype(x_dtype, w_dtype), activation)
+               zero_centered, bt, cfg.block_d, norm_dtype(x_dtype, w_dtype), activation,
+               cfg.stages)
     dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
               torch.float32)
     return _keep_plan(key, BackwardPlan(
@@ -518,8 +537,8 @@ def _dw_sum_launch(programs: int, dim: int, dtype: torch.dtype, cfg: BackwardLau
     so fewer partials (fewer rows) reuse the compiled kernel."""
     block_p = next_power_of_2(max(programs, cfg.max_programs))
     return cdiv(dim, cfg.dw_sum_columns), launch_dw_sum.prepare(
-        (torch.float32, dtype), (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns),
-        cfg.dw_sum_warps)
+        (torch.float32, dtype),
+        (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns), cfg.dw_sum_warps)
 
 
 def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,

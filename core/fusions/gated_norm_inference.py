@@ -85,7 +85,7 @@ def fused_gdn_gated_rms_norm(
         tokens * num_v_heads, num_v_heads, head_v_dim, tokens, (layout(x), layout(z), layout(out)),
         float(eps), False, kernel_activation,
         tl.float32,  # no intermediate rounding: one rounding at the store
-        norm_before_gate, cfg.bt, cfg.block_d, cfg.warps,
+        norm_before_gate, cfg.bt, cfg.block_d, cfg.warps, cfg.pdl,
     )
 
 

@@ -24,6 +24,7 @@ class ForwardLaunch(NamedTuple):
     bt: int  # rows per program (the grid is cdiv(rows, bt))
     warps: int
     block_d: int
+    pdl: bool  # programmatic dependent launch (see below)
 
 
 class BackwardLaunch(NamedTuple):
@@ -31,6 +32,7 @@ class BackwardLaunch(NamedTuple):
     warps: int
     block_d: int
     max_programs: int  # persistent grid size cap (also the number of fp32 dW partials)
+    stages: int  # software pipelining of the row-block loop (loads of later blocks in flight)
     dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
     dw_sum_warps: int
 
@@ -42,13 +44,36 @@ def sm_count(device: torch.device) -> int:
     return 4  # CPU interpreter: programs run one after another; a few keep dW partials small
 
 
+# Programmatic dependent launch (Hopper and later) of the forward: it may start while the kernel
+# before it in the stream drains, waits for that kernel's writes (griddepcontrol.wait) before its
+# first load, and lets the kernel after it start once all of its own programs run. It hides part
+# of the time between two kernels, a large share of a call at the row counts of TP 4-8 ranks
+# (H200, GPU time in CUDA graphs: 4.4 -> 3.8 us at 16k rows, 6.8 -> 6.1 at 32k, 14.4 -> 13.7 at
+# 64k; 0.3-1 us from 128k rows). Bits do not change. The backward pair launched the same way was
+# 30-70 % slower in CUDA graphs (not eagerly), so it launches as usual.
+PROGRAMMATIC_DEPENDENT_LAUNCH = True
+
+
+@functools.lru_cache(maxsize=None)
+def programmatic_dependent_launch(device: torch.device) -> bool:
+    """Whether the forward on ``device`` is launched with programmatic dependent launch: sm_90+
+    CUDA devices (the interpreter has no griddepcontrol)."""
+    return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 # H200 sweeps (bf16, 524k and 1M rows of D=128, 262k rows of D=256):
 # - forward (tools/forward_variants.py, without the grid-stride loop and with 32-bit column
 #   offsets): 2048 elements per program with 4 warps (bt=16 at D=128, bt=8 at D=256) was best
 #   or within 0.5 % of it at every size (99 % / 95 % / 95 % of the copy ceiling); 1024 with 2
 #   warps was within 1 %, 4096 with 4 warps 9 % slower.
-# - backward: 1024 elements per loop iteration with 4 warps and 8 programs per SM was within
-#   0.5 % of the best at D=128 and the best at D=256 (89 % / 83 %).
+# - backward (scratch kernel variants of the same arithmetic, GPU time in CUDA graphs, 16k-1M
+#   rows): 512 elements per loop iteration with 2 warps (4 rows at D=128, 2 at D=256) and 3
+#   pipeline stages, 8 programs per SM, was the best or within 0.3 % of it at every size but 1M
+#   rows (+0.3 %): 7.7 vs 10.2 us at 16k rows, 12.4 vs 14.3 at 32k, 24.2 vs 27.0 at 64k, 44.2
+#   vs 47.5 at 128k, 327 vs 351 at 1M (D=128; the former 1024 elements, 4 warps, no pipelining);
+#   25.6 vs 31.7 us at 32k rows of D=256. Every block of 8 elements per thread lays a row out
+#   the same way (tools/kernel_ir.py), so dx keeps its bits across these choices.
 # - forward (`tools/launch_sweep.py`, GPU time in CUDA graphs, the real kernel):
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
@@ -62,7 +87,7 @@ def sm_count(device: torch.device) -> int:
 # bits in any batch (test_rows_get_the_same_bits_in_any_batch), and a new token count never
 # compiles a new kernel.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
-BACKWARD_ELEMENTS_PER_BLOCK = 1024
+BACKWARD_ELEMENTS_PER_BLOCK = 512
 FORWARD_ELEMENTS_PER_THREAD = 16
 FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 128)
 # Swept blocks that beat the rule above, by BLOCK_D: (rows per program, warps). 256: 4 rows x
@@ -72,12 +97,15 @@ FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 12
 FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
+BACKWARD_STAGES = 3
 
 
 # The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load
-# (<= 2048 x 8 fp32 = 64 per thread with 8 warps), so D / 8 programs read the partials at once.
+# (<= 2048 x 8 fp32 = 64 per thread with 8 warps), about 64 programs reading the partials at once
+# (swept: 2 columns at D=128, 4 at D=256, 0.1-0.4 us faster than 8 at 132-1056 partials).
 # The interpreter pays per program: one program takes the whole row.
-DW_SUM_COLUMNS = 8
+DW_SUM_PROGRAMS = 64
+DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
 
 
@@ -105,7 +133,7 @@ def next_power_of_2(n: int) -> int:
 def _interpreter(dim: int) -> BackwardLaunch:
     block_d = next_power_of_2(dim)
     return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,
-                          INTERPRETER_PROGRAMS, block_d, 1)
+                          INTERPRETER_PROGRAMS, 1, block_d, 1)
 
 
 # Both are cached on (dim, device): every forward and backward asks, with the same answer.
@@ -114,14 +142,16 @@ def forward_launch(dim: int, device: torch.device) -> ForwardLaunch:
     """Launch parameters of gated_norm_fwd for rows of ``dim`` elements. The row count only sizes
     the grid (``cdiv(rows, bt)`` at the call site)."""
     if device.type == "cpu":
-        return ForwardLaunch(*_interpreter(dim)[:3])
+        cfg = _interpreter(dim)
+        return ForwardLaunch(cfg.bt, cfg.warps, cfg.block_d, False)
     block_d = next_power_of_2(dim)
+    pdl = programmatic_dependent_launch(device)
     if block_d in FORWARD_SWEPT_BLOCKS:
-        return ForwardLaunch(*FORWARD_SWEPT_BLOCKS[block_d], block_d)
+        return ForwardLaunch(*FORWARD_SWEPT_BLOCKS[block_d], block_d, pdl)
     bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
     per_thread = FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128 else FORWARD_ELEMENTS_PER_THREAD
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
-    return ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d)
+    return ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d, pdl)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,5 +162,7 @@ def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
         return _interpreter(dim)
     block_d = next_power_of_2(dim)
     bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
+    dw_sum_columns = max(1, min(DW_SUM_MAX_COLUMNS, block_d // DW_SUM_PROGRAMS))
     return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
-                          sm_count(device) * BACKWARD_PROGRAMS_PER_SM, DW_SUM_COLUMNS, DW_SUM_WARPS)
+                          sm_count(device) * BACKWARD_PROGRAMS_PER_SM, BACKWARD_STAGES,
+                          dw_sum_columns, DW_SUM_WARPS)

@@ -71,14 +71,14 @@ def _layer(config, state: dict, device):
     return layer
 
 
-def _ddp(layer):
+def wrap_ddp(layer):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return DistributedDataParallel(config=layer.config, ddp_config=ddp_config, module=layer)
 
 
-def _step(model, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def ddp_step(model, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     from megatron.core.distributed import finalize_model_grads
 
     model.zero_grad_buffer()
@@ -88,7 +88,7 @@ def _step(model, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return model.module.self_attention.out_norm.weight.main_grad.detach().clone()
 
 
-def _reset_cuda_graphs() -> None:
+def reset_cuda_graphs() -> None:
     """megatron's CUDA-graph record is global: cleared before and after the graphed case."""
     from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudagraphGlobalRecord
 
@@ -120,12 +120,12 @@ def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
 
     from core.ssm.gated_delta_net import GatedDeltaNet
 
-    _reset_cuda_graphs()
+    reset_cuda_graphs()
     _parallel(tp_size, cudagraphable_rng=True)
     config = layer_config(tp_size, cuda_graph_impl="local", bias_dropout_fusion=False)
     layer = _layer(config, shard_layer_state(state, config, rank, tp_size), device)
-    model = _ddp(layer)
-    eager_dw = _step(model, x, dy)
+    model = wrap_ddp(layer)
+    eager_dw = ddp_step(model, x, dy)
     create_cudagraphs()
     calls = []
     original = GatedDeltaNet._apply_gated_norm
@@ -136,12 +136,12 @@ def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
 
     GatedDeltaNet._apply_gated_norm = counting
     try:
-        replay_dw = _step(model, x, dy)
+        replay_dw = ddp_step(model, x, dy)
     finally:
         GatedDeltaNet._apply_gated_norm = original
         runners = layer.cudagraph_manager.cudagraph_runners
         graphs = [(r.fwd_graph is not None, r.bwd_graph is not None) for r in runners]
-        _reset_cuda_graphs()
+        reset_cuda_graphs()
     return dict(dw=replay_dw, eager_dw=eager_dw, python_norm_calls_in_replay=len(calls),
                 graphs=graphs, grad_scale=layer.self_attention.out_norm_weight_grad_scale)
 
@@ -159,14 +159,14 @@ def run_rank(rank: int, tp_size: int, device: torch.device, cuda_graphs: bool) -
     hidden = reference.config.hidden_size
     x = torch.randn(SEQ, BATCH, hidden, generator=gen).to(device, torch.bfloat16)
     dy = torch.randn(SEQ, BATCH, hidden, generator=gen).to(device, torch.bfloat16)
-    results = {"tp1": dict(dw=_step(_ddp(reference), x, dy).cpu(), grad_scale=1.0)}
+    results = {"tp1": dict(dw=ddp_step(wrap_ddp(reference), x, dy).cpu(), grad_scale=1.0)}
 
     for name, sp in (("tp2-sp", True), ("tp2", False)):
         _parallel(tp_size)
         config = layer_config(tp_size, sequence_parallel=sp)
         layer = _layer(config, shard_layer_state(state, config, rank, tp_size), device)
         xs, dys = (x.chunk(tp_size)[rank], dy.chunk(tp_size)[rank]) if sp else (x, dy)
-        results[name] = dict(dw=_step(_ddp(layer), xs, dys).cpu(),
+        results[name] = dict(dw=ddp_step(wrap_ddp(layer), xs, dys).cpu(),
                              grad_scale=layer.self_attention.out_norm_weight_grad_scale)
     if cuda_graphs:
         try:

@@ -123,8 +123,9 @@ def _keys(kernel_name, run):
 
 
 def _use_h200_heuristics(monkeypatch):
-    """The launch parameters an H200 gets (132 SMs), whatever device runs the test."""
+    """The launch parameters an H200 gets (132 SMs, sm_90), whatever device runs the test."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: True)  # sm_90
     monkeypatch.setattr(fgn, "_launch_plans", {})  # no plan made with this device's heuristics
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(fgn, "forward_launch", lambda dim, device: launch.forward_launch.__wrapped__(dim, gpu))

@@ -64,8 +64,8 @@ class FakeJit:
         self.params = [FakeParam(i, i in unspecialised) for i in range(8)]
 
     def __getitem__(self, grid):
-        def run(*args, num_warps):
-            self.log.append(("jit", grid, args, num_warps))
+        def run(*args, num_warps, **options):
+            self.log.append(("jit", grid, args, num_warps, *options.items()))
             return None if self.interpreted else self.compiled(self.log)
         return run
 
@@ -94,6 +94,19 @@ def fake_driver(monkeypatch):
 
 def _kinds(log):
     return [entry[0] for entry in log]
+
+
+def test_programmatic_dependent_launch_is_a_launch_option_and_part_of_the_key(fake_driver):
+    jit = FakeJit()
+    launch = DirectLauncher(jit)
+    x = torch.zeros(64)
+    scalars = (64, (0, 8, 1), True, "silu")
+    launch(4, (x, None), scalars, 4, launch_pdl=True)
+    launch(4, (x, None), scalars, 4)  # another compiled kernel: launch_pdl is a compile option
+    launch(4, (x, None), scalars, 4, launch_pdl=True)
+    assert _kinds(jit.log) == ["jit", "jit", "direct"]
+    assert jit.log[0][-1] == ("launch_pdl", True)
+    assert jit.log[1][-1] == 4  # num_warps alone: the option is passed only when set
 
 
 def test_same_key_launches_the_compiled_kernel_with_the_same_arguments(fake_driver):

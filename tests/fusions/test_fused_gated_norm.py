@@ -259,7 +259,7 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=False,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=False,
         EPS=0.25, ZERO_CENTERED=True, BT=2, BLOCK_D=64, NORM_DTYPE=tl.bfloat16,
-        ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True,
+        ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True, PDL=False,
     )
     assert infer == dict(
         ROWS=14, HEADS=2, D=64, SEQUENCE=7,
@@ -268,6 +268,7 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=True,
         EPS=0.5, ZERO_CENTERED=False, BT=forward_launch(64, x.device).bt, BLOCK_D=64,
         NORM_DTYPE=tl.float32, ACTIVATION="sigmoid", NORM_BEFORE_GATE=False, STORE_RSTD=False,
+        PDL=False,
     )
 
 

@@ -3,6 +3,8 @@ is the H200's, so the parameters checked are the ones the GPU runs get."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
@@ -16,6 +18,7 @@ H200_SMS = 132
 @pytest.fixture
 def h200(monkeypatch):
     monkeypatch.setattr(launch, "sm_count", lambda device: H200_SMS)
+    monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: True)  # sm_90
     launch.forward_launch.cache_clear()
     launch.backward_launch.cache_clear()
     yield
@@ -25,12 +28,38 @@ def h200(monkeypatch):
 
 def test_h200_parameters(h200):
     """The swept choices (docs/benchmarks.md, Launch sweeps)."""
-    assert launch.forward_launch(128, GPU) == launch.ForwardLaunch(bt=16, warps=8, block_d=128)
-    assert launch.forward_launch(256, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=256)
-    assert launch.forward_launch(200, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=256)
-    assert launch.forward_launch(512, GPU) == launch.ForwardLaunch(bt=4, warps=4, block_d=512)
-    cfg = launch.backward_launch(128, GPU)
-    assert (cfg.bt, cfg.warps, cfg.max_programs) == (8, 4, 8 * H200_SMS)
+    forward = functools.partial(launch.ForwardLaunch, pdl=True)
+    assert launch.forward_launch(128, GPU) == forward(bt=16, warps=8, block_d=128)
+    assert launch.forward_launch(256, GPU) == forward(bt=4, warps=4, block_d=256)
+    assert launch.forward_launch(200, GPU) == forward(bt=4, warps=4, block_d=256)
+    assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
+    assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
+        bt=4, warps=2, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
+        dw_sum_warps=8)
+    cfg = launch.backward_launch(256, GPU)
+    assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 512])
+def test_backward_blocks_keep_the_row_layout_of_wider_ones(h200, dim):
+    """The backward's block keeps 8 elements per thread, so a row is laid out along the lanes
+    exactly as in the wider blocks swept against it (tools/kernel_ir.py checks the compiled
+    layout): a launch-rule change moves no dx bit of a row relative to those blocks."""
+    cfg = launch.backward_launch(dim, GPU)
+    assert cfg.bt * cfg.block_d == launch.BACKWARD_ELEMENTS_PER_BLOCK
+    assert cfg.bt * cfg.block_d // (32 * cfg.warps) == launch.BACKWARD_ELEMENTS_PER_THREAD
+
+
+def test_programmatic_dependent_launch_needs_hopper(monkeypatch):
+    launch.programmatic_dependent_launch.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert not launch.programmatic_dependent_launch(torch.device("cuda", 7))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert launch.programmatic_dependent_launch(torch.device("cuda", 8))
+    monkeypatch.setattr(launch, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
+    assert not launch.programmatic_dependent_launch(torch.device("cuda", 9))
+    assert not launch.programmatic_dependent_launch(torch.device("cpu"))
+    launch.programmatic_dependent_launch.cache_clear()
 
 
 @pytest.mark.parametrize("dim", [1, 8, 64, 100, 128, 256, 1000, 4096, 8192])

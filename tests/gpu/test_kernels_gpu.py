@@ -113,6 +113,63 @@ def test_d256_blocks_with_the_same_row_layout_give_the_same_bits(dtype, offset):
     assert all(torch.equal(a, b) for a, b in zip(default, rule))
 
 
+@pytest.fixture
+def launch_rules(monkeypatch):
+    """gated_norm_launch, its caches and the launch plans cleared before and after the test."""
+    import core.fusions.gated_norm_launch as launch
+
+    def clear():
+        for rule in (launch.forward_launch, launch.backward_launch,
+                     launch.programmatic_dependent_launch):
+            rule.cache_clear()
+        fgn._launch_plans.clear()
+
+    clear()
+    yield launch
+    monkeypatch.undo()
+    clear()
+
+
+def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch):
+    """With programmatic dependent launch the forward may start before the kernel before it
+    ends, and waits for its writes before loading: x and the gate come from torch kernels launched
+    just before it, several steps run back to back. With and without PDL, every output has the
+    same bits."""
+    assert launch_rules.programmatic_dependent_launch(torch.device("cuda"))
+    x, gate, weight, dy, _ = make_inputs((1, 4096, 8, 128))
+
+    def run():
+        leaves = [(x.detach() * 1.5).requires_grad_(), (gate.detach() + 0.25).requires_grad_(),
+                  weight.detach().requires_grad_()]
+        out = fgn.fused_gated_norm(*leaves, EPS)
+        return (out, *torch.autograd.grad(out, leaves, dy * 0.5))
+
+    with_pdl = [run() for _ in range(3)]
+    monkeypatch.setattr(launch_rules, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
+    launch_rules.programmatic_dependent_launch.cache_clear()
+    launch_rules.forward_launch.cache_clear()
+    launch_rules.backward_launch.cache_clear()
+    fgn._launch_plans.clear()
+    assert not launch_rules.programmatic_dependent_launch(torch.device("cuda"))
+    without = run()
+    for got in with_pdl:
+        assert all(torch.equal(a, b) for a, b in zip(got, without))
+
+
+def test_backward_blocks_with_the_same_row_layout_give_dx_the_same_bits():
+    """The backward's block (512 elements, 2 warps, pipelined) against the former 1024-element,
+    4-warp block: the same layout along a row (tests/tools/test_kernel_ir.py), so dx and dgate
+    keep their bits; dW sums other per-program partials, within fp32 rounding."""
+    x, gate, weight, dy, _ = make_inputs((1, 8192, 16, 128))
+    x, gate, weight = x.detach(), gate.detach(), weight.detach()
+    _, rstd = fgn.forward_impl(x, gate, weight, EPS)
+    assert fgn.backward_launch(128, x.device)[:2] == (4, 2)
+    default = fgn.backward_impl(x, gate, weight, rstd, dy)
+    wider = fgn.backward_impl(x, gate, weight, rstd, dy, bt=8, warps=4)
+    assert torch.equal(default[0], wider[0]) and torch.equal(default[1], wider[1])
+    assert ulp_distance(default[2], wider[2]).max().item() <= 1
+
+
 def test_cuda_graph_replay_matches_eager():
     """Forward + backward captured in one graph (the gate slice taken inside the captured step,
     as a model does), replayed on new data: the same bits as an eager step."""

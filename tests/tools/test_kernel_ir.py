@@ -55,3 +55,13 @@ def test_d256_forward_blocks_lay_rows_out_alike():
     blocks = ("--dim", "256", "--dtype", "fp32", "--bt", "8", "--warps", "4", "--bt", "4", "--warps", "4")
     assert layouts(kernel_ir(*blocks)) == [(4, 32, 2)] * 2
     assert layouts(kernel_ir(*blocks, "--unaligned")) == [(1, 32, 4)] * 2
+
+
+def test_the_forward_waits_for_the_previous_kernel_before_loading():
+    # Under the H200's rules the forward is launched with programmatic dependent launch, so it
+    # must wait for the previous kernel's writes before its first global load; the backward is
+    # launched as usual.
+    (fwd,) = kernel_ir("--kernel", "fwd", "--dim", "128", "--bt", "16", "--warps", "8")
+    assert fwd["launch_pdl"] and fwd["waits_before_loading"], fwd
+    (bwd,) = kernel_ir("--kernel", "bwd", "--dim", "128", "--bt", "4", "--warps", "2")
+    assert not bwd["launch_pdl"] and not bwd["waits_before_loading"], bwd

@@ -1,5 +1,7 @@
-"""Sweep of the launch parameters of both training kernels (rows per block, warps, backward
-programs per SM), GPU time in CUDA graphs, and the backward's dW partial sum against torch's.
+"""Sweep of the launch parameters of both training kernels (rows per block, warps; forward:
+programmatic dependent launch on or off; backward: programs per SM and pipeline stages), GPU
+time in CUDA graphs, with the shipped launch of each kernel timed in the same run, and the
+backward's dW partial sum against torch's.
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--out DIR]   # -> DIR/launch_sweep.json
 
@@ -24,19 +26,22 @@ from tools.bench_common import (DTYPE, EPS, bench_graph, bytes_moved, copy_ceili
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
-DEFAULT_SHAPES = "1x4096x8x128,1x4096x32x128,1x32768x32x128,4x4096x16x256"
-WARPS = (2, 4, 8)
-PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
-MIN_ELEMENTS_PER_THREAD = 4
+DEFAULT_SHAPES = "1x4096x4x128,1x4096x8x128,1x4096x32x128,1x4096x8x256"
+WARPS = (1, 2, 4, 8)
+BLOCK_ELEMENTS = (512, 1024, 2048)
+PROGRAMS_PER_SM = (4, 8, 16)
+STAGES = (1, 3)
+ELEMENTS_PER_THREAD = (4, 16)  # the range swept (fewer leave lanes idle, more spill)
 
 
 def candidate_blocks(dim: int) -> list[tuple[int, int]]:
-    """(rows per block, warps) pairs around the 2048-element block, at least
-    MIN_ELEMENTS_PER_THREAD elements per thread."""
+    """(rows per block, warps) pairs of 512-2048 elements per block with 4-16 elements per
+    thread."""
     block_d = triton.next_power_of_2(dim)
-    base = max(1, 2048 // block_d)
-    return [(bt, warps) for bt in (max(1, base // 2), base, base * 2) for warps in WARPS
-            if bt * block_d // (32 * warps) >= MIN_ELEMENTS_PER_THREAD]
+    low, high = ELEMENTS_PER_THREAD
+    blocks = dict.fromkeys((max(1, n // block_d), warps) for n in BLOCK_ELEMENTS for warps in WARPS)
+    return [(bt, warps) for bt, warps in blocks
+            if low <= bt * block_d // (32 * warps) <= high]
 
 
 def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
@@ -55,12 +60,20 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
         results.append({"kernel": kernel, "shape": shape, **params, "us": us,
                         "pct": pct_of_ceiling(nbytes[kernel], us, ceiling)})
 
+    fwd_cfg, bwd_cfg = fgn.forward_launch(shape[3], x.device), fgn.backward_launch(shape[3], x.device)
+    timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
+          warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
+    timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy), shipped=True, bt=bwd_cfg.bt,
+          warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms, stages=bwd_cfg.stages)
     for bt, warps in candidate_blocks(shape[3]):
-        timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps), bt=bt, warps=warps)
+        for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
+            timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),
+                  bt=bt, warps=warps, pdl=pdl)
         for per_sm in PROGRAMS_PER_SM:
-            timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
-                                                    programs=sms * per_sm),
-                  bt=bt, warps=warps, per_sm=per_sm)
+            for stages in STAGES:
+                timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
+                                                        programs=sms * per_sm, stages=stages),
+                      bt=bt, warps=warps, per_sm=per_sm, stages=stages)
     # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
     # weight's dtype, by the project's kernel and by torch (sum + cast).
     cfg = fgn.backward_launch(shape[3], x.device)
@@ -71,15 +84,22 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     return results
 
 
+def describe(r: dict) -> str:
+    extra = (f" {r['per_sm']}/SM" if "per_sm" in r else "") + \
+        (f" {r['stages']} stages" if "stages" in r else "") + (" pdl" if r.get("pdl") else "")
+    return f"bt{r['bt']} w{r['warps']}{extra} {r['us']:.1f} us {r['pct']:.0f} %"
+
+
 def best_lines(results: list[dict], top: int = 5) -> list[str]:
+    """Per shape and kernel: the shipped launch, then the ``top`` fastest of the sweep."""
     lines = []
     for shape in dict.fromkeys(tuple(r["shape"]) for r in results):
         for kernel in ("fwd", "bwd"):
-            ranked = sorted((r for r in results if tuple(r["shape"]) == shape and r["kernel"] == kernel),
-                            key=lambda r: r["us"])
-            lines.append(f"{kernel} {shape}: " + "; ".join(
-                f"bt{r['bt']} w{r['warps']}" + (f" p{r['per_sm']}" if "per_sm" in r else "")
-                + f" {r['us']:.1f} us {r['pct']:.0f} %" for r in ranked[:top]))
+            rows = [r for r in results if tuple(r["shape"]) == shape and r["kernel"] == kernel]
+            shipped = [describe(r) for r in rows if r.get("shipped")]
+            ranked = sorted((r for r in rows if not r.get("shipped")), key=lambda r: r["us"])
+            lines.append(f"{kernel} {shape}: shipped {'; '.join(shipped)} | best "
+                         + "; ".join(describe(r) for r in ranked[:top]))
     return lines
 
 

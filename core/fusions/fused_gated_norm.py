@@ -420,28 +420,31 @@ def _geometry(x, launch_rule, bt):
     return batch * seq * heads, seq, heads, dim, cfg, bt or cfg.bt
 
 
-def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps) -> ForwardPlan:
+def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps,
+                  pdl) -> ForwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
-           out.dtype, x.device, eps, zero_centered, activation, bt, warps)
+           out.dtype, x.device, eps, zero_centered, activation, bt, warps, pdl)
     plan = _launch_plans.get(key)
     if plan is not None:
         return plan
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
+    pdl = cfg.pdl if pdl is None else pdl
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
                                      (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
-                                     True, bt, cfg.block_d, cfg.pdl)
+                                     True, bt, cfg.block_d, pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32)
     return _keep_plan(key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
-        dtypes, scalars, warps or cfg.warps, cfg.pdl)))
+        dtypes, scalars, warps or cfg.warps, pdl)))
 
 
-def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
+def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs, stages,
                    weight_grad_scale) -> BackwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
-           dy.dtype, x.device, zero_centered, activation, bt, warps, programs, weight_grad_scale)
+           dy.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
+           weight_grad_scale)
     plan = _launch_plans.get(key)
     if plan is not None:
         return plan
@@ -453,7 +456,7 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     scalars = (rows, heads, dim, seq,
                x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
                zero_centered, bt, cfg.block_d, norm_dtype(x_dtype, w_dtype), activation,
-               cfg.stages)
+               stages or cfg.stages)
     dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
               torch.float32)
     return _keep_plan(key, BackwardPlan(
@@ -472,12 +475,13 @@ def forward_impl(
     *,
     out: Optional[torch.Tensor] = None,
     activation: str = "silu",
+    pdl: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_fwd``; returns ``(out, rstd)``. No input is copied.
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
-    buffer); a new contiguous tensor when None. ``bt``/``warps`` override the heuristics of
-    ``gated_norm_launch`` (used by the benchmark's sweep). ``zero_centered`` must be a bool
+    buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
+    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). ``zero_centered`` must be a bool
     (TypeError otherwise): it selects a compiled variant."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
@@ -486,7 +490,7 @@ def forward_impl(
     rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
     if batch * seq * heads == 0 or dim == 0:  # nothing to normalise (rstd of an empty row is never read)
         return out, rstd
-    plan = _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps)
+    plan = _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps, pdl)
     launch_forward.launch(plan.grid, (x, gate, weight, out, rstd), plan.launch)
     return out, rstd
 
@@ -503,6 +507,7 @@ def backward_impl(
     *,
     activation: str = "silu",
     programs: Optional[int] = None,
+    stages: Optional[int] = None,
     weight_grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
@@ -510,7 +515,8 @@ def backward_impl(
     dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides with a unit last
     dim). dweight is the fixed-order sum of the per-program fp32 partials times
     ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype. ``zero_centered``
-    must be a bool (TypeError otherwise).
+    must be a bool (TypeError otherwise). ``bt``/``warps``/``programs``/``stages`` override the
+    heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
     """
     check_bool("backward_impl", "zero_centered", zero_centered)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -521,7 +527,7 @@ def backward_impl(
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
     plan = _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
-                          weight_grad_scale)
+                          stages, weight_grad_scale)
     dw_partial = torch.empty((plan.grid, dim), dtype=torch.float32, device=x.device)
     launch_backward.launch(plan.grid, (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
                            plan.launch)

@@ -10,7 +10,7 @@ import torch
 from tools import benchmark
 from tools.bench_common import bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling, shape_label
 from tools.host_cost import HostTimer
-from tools.launch_sweep import MIN_ELEMENTS_PER_THREAD, best_lines, candidate_blocks
+from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
 
 
@@ -69,19 +69,23 @@ def test_host_timer_keeps_mean_and_best_round():
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256, 1000])
-def test_sweep_candidates_keep_enough_elements_per_thread(dim):
+def test_sweep_candidates_keep_the_elements_per_thread_in_range(dim):
     blocks = candidate_blocks(dim)
     assert blocks
     width = 1 << (dim - 1).bit_length()
-    assert all(bt * width // (32 * warps) >= MIN_ELEMENTS_PER_THREAD for bt, warps in blocks)
+    low, high = ELEMENTS_PER_THREAD
+    assert all(low <= bt * width // (32 * warps) <= high for bt, warps in blocks)
     if dim == 128:
-        assert (16, 8) in blocks  # the shipped D <= 128 block
+        assert {(16, 8), (4, 2)} <= set(blocks)  # the shipped forward and backward blocks
 
 
 def test_sweep_best_lines_rank_by_time():
     results = [{"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": bt, "warps": 4, "us": us, "pct": 1.0}
                for bt, us in ((8, 3.0), (16, 2.0))]
+    results.append({"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": 4, "warps": 2, "pdl": True,
+                    "us": 2.5, "pct": 1.0, "shipped": True})
     fwd_line = best_lines(results)[0]
+    assert fwd_line.startswith("fwd (1, 8, 2, 128): shipped bt4 w2 pdl 2.5 us")
     assert fwd_line.index("bt16") < fwd_line.index("bt8")
 
 

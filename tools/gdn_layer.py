@@ -5,9 +5,9 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
   * parity: the norm section on the layer's own tensors (bitwise share against megatron's
     unfused _apply_gated_norm, eager and as jit_fuser compiles it; out, dx, dgate, dW errors
     against float64), and the whole layer's errors against an fp32 copy of it;
-  * speed and memory: forward + backward time (CUDA events, median), peak memory and the
-    activation memory the forward keeps for backward (bytes per token) of the layer, S=4096 B=1
-    and S=8192 B=2; with ``--value-heads`` at the per-rank head counts of tensor parallelism
+  * speed and memory: forward + backward time (CUDA events, median and fastest step; the
+    flag-off and flag-on layers' steps alternate), peak memory and the activation memory the
+    forward keeps for backward (bytes per token) of the layer, S=4096 B=1 and S=8192 B=2; with ``--value-heads`` at the per-rank head counts of tensor parallelism
     (TP 1, 4, 8 of Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
   * under megatron's local CUDA graphs (``graphs``, GPU): forward + backward of a GDN
     TransformerLayer (input norm, GDN, MLP) whose forward and backward are captured and replayed,
@@ -228,52 +228,70 @@ def timings_ms(setup: LayerSetup, fn, iters: int, warmup: int = 3) -> list:
     for _ in range(warmup):
         fn()
     setup.sync()
-    times = []
-    for _ in range(iters):
-        if setup.cpu:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    return [step_ms(setup, fn) for _ in range(iters)]
+
+
+def step_ms(setup: LayerSetup, fn) -> float:
+    """Wall time of one call of fn() in ms, from an idle device to its end."""
+    if setup.cpu:
+        start = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
-def measure(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
-    """Forward + backward time of the layer, its peak memory above the inputs (GPU) and the
-    activation memory its forward keeps for backward per token."""
+def measure_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
+                 warmup: int = 3) -> dict[bool, dict]:
+    """Flag off and on (keys False, True): forward + backward time of the layer, its peak memory
+    above the inputs (GPU) and the activation memory its forward keeps for backward per token.
+    The two layers' steps alternate (off, on, then on, off, ...), so a drift of the host's or the
+    GPU's speed during the measurement (the eager layer at TP 4-8 shapes waits on the host) falls
+    on both alike."""
     from core.testing.gdn import bytes_kept_for_backward
 
-    module = setup.make_module(fused)
     x, dy = setup.inputs(seq, batch, seed=2)
-    xr = x.detach().clone().requires_grad_(True)
-    kept, _ = bytes_kept_for_backward(lambda: module(xr, attention_mask=None),
-                                      exclude=module.parameters())
+    results, steps, layers = {}, {}, {}
+    for fused in (False, True):
+        module = setup.make_module(fused)
+        xr = x.detach().clone().requires_grad_(True)
+        kept, _ = bytes_kept_for_backward(lambda: module(xr, attention_mask=None),
+                                          exclude=module.parameters())
 
-    def step():
-        module.zero_grad(set_to_none=True)
-        xr.grad = None
-        module(xr, attention_mask=None)[0].backward(dy)
+        def step(module=module, xr=xr):
+            module.zero_grad(set_to_none=True)
+            xr.grad = None
+            module(xr, attention_mask=None)[0].backward(dy)
 
-    res = {"kept_bytes_per_token": kept / (seq * batch)}
-    times = timings_ms(setup, step, iters)
-    if not setup.cpu:
-        torch.cuda.empty_cache()
-        module.zero_grad(set_to_none=True)
-        xr.grad = None
-        setup.sync()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        setup.sync()
-        res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    res.update(fwd_bwd_ms_median=statistics.median(times), fwd_bwd_ms_min=min(times))
-    return res
+        steps[fused], layers[fused] = step, (module, xr)
+        results[fused] = {"kept_bytes_per_token": kept / (seq * batch)}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    setup.sync()
+    times = {False: [], True: []}
+    for i in range(iters):
+        for fused in ((False, True) if i % 2 == 0 else (True, False)):
+            times[fused].append(step_ms(setup, steps[fused]))
+    for fused, step in steps.items():
+        if not setup.cpu:
+            module, xr = layers[fused]
+            module.zero_grad(set_to_none=True)
+            xr.grad = None
+            torch.cuda.empty_cache()
+            setup.sync()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            setup.sync()
+            results[fused]["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        results[fused].update(fwd_bwd_ms_median=statistics.median(times[fused]),
+                              fwd_bwd_ms_min=min(times[fused]))
+    return results
 
 
 def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
@@ -587,11 +605,12 @@ def main(argv=None) -> None:
         all_heads = setup.sizes["num_value_heads"]
         for h, rank_setup in per_rank.items():
             for seq, batch in perf_shapes:
+                pair = measure_pair(rank_setup, seq, batch, iters)
                 for fused in (False, True):
                     name = (f"H={h} " if h != all_heads else "") + \
                         f"S={seq} B={batch} {'on' if fused else 'off'}"
-                    results["perf"][name] = measure(rank_setup, seq, batch, fused, iters)
-                    save()
+                    results["perf"][name] = pair[fused]
+                save()
     if "graphs" in parts and setup.cpu:
         results["graphs"] = {"skipped": "megatron's CUDA graphs need a GPU"}
     elif "graphs" in parts:

@@ -37,6 +37,8 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gdn_layer.json").read_text())
     assert {"parity", "perf", "breakdown"} <= set(results)
+    assert results["graphs"] == {"skipped": "megatron's CUDA graphs need a GPU"}
+    assert all(entry["fwd_bwd_ms_min"] > 0 for entry in results["perf"].values())
     section = results["parity"]["norm_section"]
     assert section["out_bitwise_vs_eager"] == 1.0  # the CPU's summation orders agree
     assert set(section["rel_err_vs_float64"]) == {"out", "dx", "dgate", "dweight"}

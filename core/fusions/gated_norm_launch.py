@@ -67,13 +67,14 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
 #   offsets): 2048 elements per program with 4 warps (bt=16 at D=128, bt=8 at D=256) was best
 #   or within 0.5 % of it at every size (99 % / 95 % / 95 % of the copy ceiling); 1024 with 2
 #   warps was within 1 %, 4096 with 4 warps 9 % slower.
-# - backward (scratch kernel variants of the same arithmetic, GPU time in CUDA graphs, 16k-1M
-#   rows): 512 elements per loop iteration with 2 warps (4 rows at D=128, 2 at D=256) and 3
-#   pipeline stages, 8 programs per SM, was the best or within 0.3 % of it at every size but 1M
-#   rows (+0.3 %): 7.7 vs 10.2 us at 16k rows, 12.4 vs 14.3 at 32k, 24.2 vs 27.0 at 64k, 44.2
-#   vs 47.5 at 128k, 327 vs 351 at 1M (D=128; the former 1024 elements, 4 warps, no pipelining);
-#   25.6 vs 31.7 us at 32k rows of D=256. Every block of 8 elements per thread lays a row out
-#   the same way (tools/kernel_ir.py), so dx keeps its bits across these choices.
+# - backward (tools/launch_sweep.py, GPU time in CUDA graphs, dW sum included, 16k-128k rows of
+#   D=128 and 32k of D=256): 512 elements per loop iteration with 2 warps (4 rows at D=128, 2 at
+#   D=256), 3 pipeline stages and 8 programs per SM was the fastest at 32k and 128k rows and
+#   within 3 % of it at 16k; against the former 1024 elements, 4 warps, no pipelining: 9.9 vs
+#   12.5 us at 16k rows, 15.3 vs 17.9 at 32k, 46.5 vs 49.4 at 128k, 27.8 vs 34.0 at 32k rows of
+#   D=256 (where 1 warp, 16 elements per thread, was 5 % faster still: one shape, not taken).
+#   Every block of 8 elements per thread lays a row out the same way (tools/kernel_ir.py), so
+#   dx keeps its bits across these choices.
 # - forward (`tools/launch_sweep.py`, GPU time in CUDA graphs, the real kernel):
 #   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
 #   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).

@@ -56,9 +56,10 @@ PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 @functools.lru_cache(maxsize=None)
 def programmatic_dependent_launch(device: torch.device) -> bool:
-    """Whether the forward on ``device`` is launched with programmatic dependent launch: sm_90+
-    CUDA devices (the interpreter has no griddepcontrol)."""
-    return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda"
+    """Whether the forward on ``device`` is launched with programmatic dependent launch: NVIDIA
+    sm_90+ (griddepcontrol is PTX: not for the interpreter, nor for ROCm, whose devices also
+    report a capability)."""
+    return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

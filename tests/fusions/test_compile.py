@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import core.fusions.fused_gated_norm as fgn
-import core.fusions.gated_norm_launch as launch
 from core.fusions.fused_gated_norm import fused_gated_norm
 from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate
 
@@ -122,22 +121,19 @@ def _keys(kernel_name, run):
     return keys
 
 
-def _use_h200_heuristics(monkeypatch):
-    """The launch parameters an H200 gets (132 SMs, sm_90), whatever device runs the test."""
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: True)  # sm_90
-    monkeypatch.setattr(fgn, "_launch_plans", {})  # no plan made with this device's heuristics
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(fgn, "forward_launch", lambda dim, device: launch.forward_launch.__wrapped__(dim, gpu))
-    monkeypatch.setattr(fgn, "backward_launch", lambda dim, device: launch.backward_launch.__wrapped__(dim, gpu))
+@pytest.fixture
+def launch_rules(request):
+    """``"h200"``: the launch parameters an H200 gets (132 SMs, sm_90; tools/kernel_ir.py's
+    h200_launch_rules), whatever device runs the test; ``"this_device"``: its own."""
+    rules = _kernel_ir().h200_launch_rules() if request.param == "h200" else contextlib.nullcontext()
+    with rules:
+        yield request.param
 
 
-@pytest.mark.parametrize("heuristics", ["h200", "this_device"])
+@pytest.mark.parametrize("launch_rules", ["h200", "this_device"], indirect=True)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_token_count_does_not_change_the_compile_key(monkeypatch, batch, heuristics):
+def test_token_count_does_not_change_the_compile_key(launch_rules, batch):
     # (seq == 1 is left out: there the sbhd and bshd layouts coincide and take the flat path.)
-    if heuristics == "h200":
-        _use_h200_heuristics(monkeypatch)
     seqs = (2, 7, 16, 100, 257, 4096, 4099)
     inputs = [strided_gate_inputs(batch, seq, heads=4, dim=128) for seq in seqs]
 

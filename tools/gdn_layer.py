@@ -7,8 +7,9 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
     against float64), and the whole layer's errors against an fp32 copy of it;
   * speed and memory: forward + backward time (CUDA events, median and fastest step; the
     flag-off and flag-on layers' steps alternate), peak memory and the activation memory the
-    forward keeps for backward (bytes per token) of the layer, S=4096 B=1 and S=8192 B=2; with ``--value-heads`` at the per-rank head counts of tensor parallelism
-    (TP 1, 4, 8 of Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
+    forward keeps for backward (bytes per token) of the layer, S=4096 B=1 and S=8192 B=2;
+    with ``--value-heads`` at the per-rank head counts of tensor parallelism (TP 1, 4, 8 of
+    Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
   * under megatron's local CUDA graphs (``graphs``, GPU): forward + backward of a GDN
     TransformerLayer (input norm, GDN, MLP) whose forward and backward are captured and replayed,
     at the same head counts and shapes;
@@ -294,7 +295,8 @@ def measure_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
     return results
 
 
-def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int) -> dict:
+def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters: int,
+                    warmup: int = 3) -> dict:
     """Forward + backward of a GDN TransformerLayer (input norm, GatedDeltaNet, MLP) under
     megatron's local CUDA graphs (``cuda_graph_impl="local"``), wrapped in megatron's DDP: one
     eager step records the layer, ``create_cudagraphs()`` captures its forward and backward, the
@@ -332,7 +334,7 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
             step()  # eager, recorded
             create_cudagraphs()
             GatedDeltaNet._apply_gated_norm = counting
-            times = timings_ms(setup, step, iters)
+            times = timings_ms(setup, step, iters, warmup)
             runners = model.module.cudagraph_manager.cudagraph_runners
             captured = all(r.fwd_graph is not None and r.bwd_graph is not None for r in runners)
         finally:
@@ -343,7 +345,7 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
             torch.cuda.empty_cache()
     return dict(fwd_bwd_ms_median=statistics.median(times), fwd_bwd_ms_min=min(times),
                 graphs_captured=captured and bool(runners),
-                python_norm_calls_per_step=len(norm_calls) / (iters + 3))
+                python_norm_calls_per_step=len(norm_calls) / (iters + warmup))
 
 
 def kernel_group(name: str) -> str:
@@ -600,28 +602,27 @@ def main(argv=None) -> None:
     if "parity" in parts:
         results["parity"] = layer_parity(setup, *shapes[0])
         save()
+    def case(h: int, seq: int, batch: int, fused: bool) -> str:
+        heads = f"H={h} " if h != setup.sizes["num_value_heads"] else ""
+        return f"{heads}S={seq} B={batch} {'on' if fused else 'off'}"
+
     if "perf" in parts:
         results["perf"] = {}
-        all_heads = setup.sizes["num_value_heads"]
         for h, rank_setup in per_rank.items():
             for seq, batch in perf_shapes:
                 pair = measure_pair(rank_setup, seq, batch, iters)
                 for fused in (False, True):
-                    name = (f"H={h} " if h != all_heads else "") + \
-                        f"S={seq} B={batch} {'on' if fused else 'off'}"
-                    results["perf"][name] = pair[fused]
+                    results["perf"][case(h, seq, batch, fused)] = pair[fused]
                 save()
     if "graphs" in parts and setup.cpu:
         results["graphs"] = {"skipped": "megatron's CUDA graphs need a GPU"}
     elif "graphs" in parts:
         results["graphs"] = {}
-        all_heads = setup.sizes["num_value_heads"]
         for h, rank_setup in per_rank.items():
             for seq, batch in perf_shapes:
                 for fused in (False, True):
-                    name = (f"H={h} " if h != all_heads else "") + \
-                        f"S={seq} B={batch} {'on' if fused else 'off'}"
-                    results["graphs"][name] = measure_graphed(rank_setup, seq, batch, fused, iters)
+                    results["graphs"][case(h, seq, batch, fused)] = measure_graphed(
+                        rank_setup, seq, batch, fused, iters)
                     save()
     if "breakdown" in parts:
         results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)

@@ -76,10 +76,9 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
                       bt=bt, warps=warps, per_sm=per_sm, stages=stages)
     # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
     # weight's dtype, by the project's kernel and by torch (sum + cast).
-    cfg = fgn.backward_launch(shape[3], x.device)
-    partial = torch.zeros(cfg.max_programs, shape[3], device=x.device)
-    results.append({"kernel": "dw_sum", "shape": shape, "programs": cfg.max_programs,
-                    "us": bench_graph(lambda: fgn.sum_dw_partials(partial, DTYPE, cfg)),
+    partial = torch.zeros(bwd_cfg.max_programs, shape[3], device=x.device)
+    results.append({"kernel": "dw_sum", "shape": shape, "programs": bwd_cfg.max_programs,
+                    "us": bench_graph(lambda: fgn.sum_dw_partials(partial, DTYPE, bwd_cfg)),
                     "torch_us": bench_graph(lambda: partial.sum(0).to(DTYPE))})
     return results
 

@@ -48,8 +48,9 @@ def sm_count(device: torch.device) -> int:
 # before it in the stream drains, waits for that kernel's writes (griddepcontrol.wait) before its
 # first load, and lets the kernel after it start once all of its own programs run. It hides part
 # of the time between two kernels, a large share of a call at the row counts of TP 4-8 ranks
-# (H200, GPU time in CUDA graphs: 4.4 -> 3.8 us at 16k rows, 6.8 -> 6.1 at 32k, 14.4 -> 13.7 at
-# 64k; 0.3-1 us from 128k rows). Bits do not change. The backward pair launched the same way was
+# (H200, GPU time in CUDA graphs, tools/launch_sweep.py: 4.33 -> 3.74 us at 16k rows of D=128,
+# 6.83 -> 6.27 at 32k, 26.18 -> 25.36 at 128k, 14.46 -> 13.94 at 32k rows of D=256). Bits do not
+# change. The backward pair launched the same way was
 # 30-70 % slower in CUDA graphs (not eagerly), so it launches as usual.
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 

@@ -107,10 +107,14 @@ def _tensor(shape, dtype, unaligned):
     return flat[unaligned:].view(shape)
 
 
+KERNELS = {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd", "dw_sum": "gated_norm_dw_sum"}
+
+
 def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: int,
                      unaligned: bool = False) -> tuple[tuple, dict]:
-    """The arguments forward_impl (kernel "fwd") or backward_impl ("bwd") passes to its kernel
-    for a [2, 64, 4, dim] input with this block, under the H200's launch rules."""
+    """The arguments forward_impl (kernel "fwd") or backward_impl ("bwd", and "dw_sum", its
+    second launch) passes to that kernel for a [2, 64, 4, dim] input with this block, under the
+    H200's launch rules."""
     shape = (2, 64, 4, dim)
     x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
     weight = torch.ones(dim, dtype=dtype)
@@ -124,17 +128,16 @@ def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned):
         with recording(fgn.launch_forward) as launches:
             fgn.forward_impl(x, gate, weight, 1e-6, bt=bt, warps=warps,
                              out=_tensor(shape, dtype, int(unaligned)))
-    else:
-        rstd = torch.ones(shape[:3])
-        with recording(fgn.launch_backward) as launches, recording(fgn.launch_dw_sum):
-            fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps)
-    return launches[0]
+        return launches[0]
+    rstd = torch.ones(shape[:3])
+    with recording(fgn.launch_backward) as main, recording(fgn.launch_dw_sum) as dw_sum:
+        fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps)
+    return (dw_sum if kernel == "dw_sum" else main)[0]
 
 
 def compile_sm90(kernel: str, args: tuple, kwargs: dict):
     """What JITFunction.run compiles for these arguments, for an sm_90 target."""
-    binder, jit, backend = sm90_binder(
-        getattr(fgn, {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd"}[kernel]))
+    binder, jit, backend = sm90_binder(getattr(fgn, KERNELS[kernel]))
     bound, specialization, options = binder(*args, **kwargs)
     kinds = [s[0] for s in specialization]
     constexprs = {path: get_iterable_path(list(bound.values()), path)
@@ -180,7 +183,8 @@ def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: 
             "unaligned": unaligned, "row_layout": row_layouts(compiled.asm["ttgir"]),
             "sass_instructions": sass_instructions(compiled.asm["cubin"]),
             "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "waits_before_loading": waits_before_loading(compiled.asm["ptx"])}
+            "waits_before_loading": waits_before_loading(compiled.asm["ptx"]),
+            "launches_dependents": "griddepcontrol.launch_dependents" in compiled.asm["ptx"]}
 
 
 def waits_before_loading(ptx: str) -> bool:
@@ -193,7 +197,8 @@ def waits_before_loading(ptx: str) -> bool:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--kernel", choices=tuple(KERNELS), default="fwd",
+                        help="dw_sum: the backward's dW sum, for the backward block --bt/--warps")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--bt", type=int, action="append", required=True)

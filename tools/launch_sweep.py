@@ -1,5 +1,6 @@
 """Sweep of the launch parameters of both training kernels (rows per block, warps; forward:
-programmatic dependent launch on or off; backward: programs per SM and pipeline stages), GPU
+programmatic dependent launch on or off; backward: programs per SM and pipeline stages, and the
+shipped launch with its dW sum launched early or as usual), GPU
 time in CUDA graphs, with the shipped launch of each kernel timed in the same run, and the
 backward's dW partial sum against torch's.
 
@@ -64,7 +65,12 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
           warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
     timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy), shipped=True, bt=bwd_cfg.bt,
-          warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms, stages=bwd_cfg.stages)
+          warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms, stages=bwd_cfg.stages,
+          dw_sum_pdl=bwd_cfg.dw_sum_pdl)
+    if bwd_cfg.dw_sum_pdl:  # the shipped launch with the dW sum launched as usual
+        timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=False),
+              bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
+              stages=bwd_cfg.stages, dw_sum_pdl=False)
     for bt, warps in candidate_blocks(shape[3]):
         for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
             timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),
@@ -73,7 +79,8 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
             for stages in STAGES:
                 timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
                                                         programs=sms * per_sm, stages=stages),
-                      bt=bt, warps=warps, per_sm=per_sm, stages=stages)
+                      bt=bt, warps=warps, per_sm=per_sm, stages=stages,
+                      dw_sum_pdl=bwd_cfg.dw_sum_pdl)
     # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
     # weight's dtype, by the project's kernel and by torch (sum + cast).
     partial = torch.zeros(bwd_cfg.max_programs, shape[3], device=x.device)
@@ -85,7 +92,8 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
 
 def describe(r: dict) -> str:
     extra = (f" {r['per_sm']}/SM" if "per_sm" in r else "") + \
-        (f" {r['stages']} stages" if "stages" in r else "") + (" pdl" if r.get("pdl") else "")
+        (f" {r['stages']} stages" if "stages" in r else "") + (" pdl" if r.get("pdl") else "") + \
+        (" dw-sum-pdl" if r.get("dw_sum_pdl") else "")
     return f"bt{r['bt']} w{r['warps']}{extra} {r['us']:.1f} us {r['pct']:.0f} %"
 
 

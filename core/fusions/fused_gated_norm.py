@@ -239,11 +239,14 @@ def gated_norm_bwd(
     X_DENSE: tl.constexpr, GATE_DENSE: tl.constexpr, DY_DENSE: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu", STAGES: tl.constexpr = 1,
+    EARLY_DEPENDENTS: tl.constexpr = False,
 ):
     """Persistent: program p handles row blocks p, p + P, ... and writes its fp32 partial dW to
     ``dw_partial[p]``; gated_norm_dw_sum adds the partials in a fixed order (deterministic, no
     atomics). STAGES: software pipelining of the block loop (the loads of the next blocks are in
-    flight while one is computed).
+    flight while one is computed). EARLY_DEPENDENTS: once its row loop is done, a program lets
+    the kernel after it (the dW sum, launched with programmatic dependent launch) start launching;
+    that kernel still waits for this one's completion before it reads a partial.
 
     Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
     NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
@@ -283,19 +286,23 @@ def gated_norm_bwd(
         tl.store((dx + block_start) + tile, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
         tl.store((dgate + block_start) + tile, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE),
                  mask=mask)
+    if EARLY_DEPENDENTS:
+        gdc_launch_dependents()
     tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr = False):
     """``dweight = round(WEIGHT_GRAD_SCALE * sum_p dw_partial[p])``: program c sums columns
     [c * BLOCK_COLS, ...) of the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the
     same bits every run), scales the fp32 sum and rounds once to the weight's dtype, so a power
     of two scale is exact (and 1.0 changes no bit). WEIGHT_GRAD_SCALE is a runtime fp32 argument
     (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
     most partials any launch can have, so the token count never changes it. torch's
-    ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows."""
+    ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows.
+    PDL: launched with programmatic dependent launch (_dependent_launch_entry)."""
+    _dependent_launch_entry(PDL)
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     parts = tl.arange(0, BLOCK_P)
     mask = (parts[:, None] < PROGRAMS) & (cols[None, :] < D)
@@ -440,15 +447,17 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
 
 
 def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs, stages,
-                   weight_grad_scale) -> BackwardPlan:
+                   weight_grad_scale, dw_sum_pdl) -> BackwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
            dy.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
-           weight_grad_scale)
+           weight_grad_scale, dw_sum_pdl)
     plan = _launch_plans.get(key)
     if plan is not None:
         return plan
     rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
+    if dw_sum_pdl is not None:
+        cfg = cfg._replace(dw_sum_pdl=dw_sum_pdl)
     programs = min(programs or cfg.max_programs, cdiv(rows, bt))
     x_strides, x_flat, x_dense = _layout(x, bt)
     g_strides, g_flat, g_dense = _layout(gate, bt)
@@ -456,7 +465,7 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     scalars = (rows, heads, dim, seq,
                x_strides, g_strides, d_strides, x_flat, g_flat, d_flat, x_dense, g_dense, d_dense,
                zero_centered, bt, cfg.block_d, norm_dtype(x_dtype, w_dtype), activation,
-               stages or cfg.stages)
+               stages or cfg.stages, cfg.dw_sum_pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
               torch.float32)
     return _keep_plan(key, BackwardPlan(
@@ -509,14 +518,15 @@ def backward_impl(
     programs: Optional[int] = None,
     stages: Optional[int] = None,
     weight_grad_scale: float = 1.0,
+    dw_sum_pdl: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd``; returns ``(dx, dgate, dweight)``.
 
     dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides with a unit last
     dim). dweight is the fixed-order sum of the per-program fp32 partials times
     ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype. ``zero_centered``
-    must be a bool (TypeError otherwise). ``bt``/``warps``/``programs``/``stages`` override the
-    heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
+    must be a bool (TypeError otherwise). ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl``
+    override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
     """
     check_bool("backward_impl", "zero_centered", zero_centered)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -527,7 +537,7 @@ def backward_impl(
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
     plan = _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
-                          stages, weight_grad_scale)
+                          stages, weight_grad_scale, dw_sum_pdl)
     dw_partial = torch.empty((plan.grid, dim), dtype=torch.float32, device=x.device)
     launch_backward.launch(plan.grid, (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
                            plan.launch)
@@ -544,7 +554,8 @@ def _dw_sum_launch(programs: int, dim: int, dtype: torch.dtype, cfg: BackwardLau
     block_p = next_power_of_2(max(programs, cfg.max_programs))
     return cdiv(dim, cfg.dw_sum_columns), launch_dw_sum.prepare(
         (torch.float32, dtype),
-        (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns), cfg.dw_sum_warps)
+        (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns, cfg.dw_sum_pdl),
+        cfg.dw_sum_warps, cfg.dw_sum_pdl)
 
 
 def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,

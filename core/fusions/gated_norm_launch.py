@@ -35,6 +35,9 @@ class BackwardLaunch(NamedTuple):
     stages: int  # software pipelining of the row-block loop (loads of later blocks in flight)
     dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
     dw_sum_warps: int
+    # The dW sum launched with programmatic dependent launch, the backward kernel letting it
+    # launch once its row loops are done (DW_SUM_PDL below).
+    dw_sum_pdl: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +53,8 @@ def sm_count(device: torch.device) -> int:
 # of the time between two kernels, a large share of a call at the row counts of TP 4-8 ranks
 # (H200, GPU time in CUDA graphs, tools/launch_sweep.py: 4.33 -> 3.74 us at 16k rows of D=128,
 # 6.83 -> 6.27 at 32k, 26.18 -> 25.36 at 128k, 14.46 -> 13.94 at 32k rows of D=256). Bits do not
-# change. The backward pair launched the same way was
-# 30-70 % slower in CUDA graphs (not eagerly), so it launches as usual.
+# change. The backward kernel launches as usual (launched early, with the dW sum, it was 30-70 %
+# slower in CUDA graphs); its dW sum is launched early (DW_SUM_PDL below).
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
@@ -110,6 +113,14 @@ BACKWARD_STAGES = 3
 DW_SUM_PROGRAMS = 64
 DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
+# The dW sum with programmatic dependent launch: the backward kernel lets it launch once a
+# program's row loop is done, and it waits for the backward's completion before reading a
+# partial. GPU time of the backward alone in CUDA graphs, same process (H200, bf16): 10.13 ->
+# 9.92 us at 16k rows of D=128, 15.65 -> 15.39 at 32k, 26.84 -> 26.56 at 64k, 46.93 -> 46.64 at
+# 128k, 27.72 -> 27.48 at 32k rows of D=256; it also lets a kernel launched the same way after
+# it (the next forward) start early. With the backward's implicit trigger (at its exit) instead,
+# it was 0.2-0.3 us slower than no early launch. Bits do not change.
+DW_SUM_PDL = True
 
 
 # CPU (Triton interpreter): every program is emulated in Python with numpy over whole blocks, so
@@ -168,4 +179,5 @@ def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
     dw_sum_columns = max(1, min(DW_SUM_MAX_COLUMNS, block_d // DW_SUM_PROGRAMS))
     return BackwardLaunch(bt, _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD), block_d,
                           sm_count(device) * BACKWARD_PROGRAMS_PER_SM, BACKWARD_STAGES,
-                          dw_sum_columns, DW_SUM_WARPS)
+                          dw_sum_columns, DW_SUM_WARPS,
+                          DW_SUM_PDL and programmatic_dependent_launch(device))

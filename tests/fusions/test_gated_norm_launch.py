@@ -35,7 +35,7 @@ def test_h200_parameters(h200):
     assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
     assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
         bt=4, warps=2, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
-        dw_sum_warps=8)
+        dw_sum_warps=8, dw_sum_pdl=True)
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 2, 4)
 
@@ -79,6 +79,8 @@ def test_interpreter_parameters():
     cpu = torch.device("cpu")
     assert launch.forward_launch(64, cpu).bt * 64 == launch.INTERPRETER_ELEMENTS_PER_BLOCK
     assert launch.backward_launch(64, cpu).max_programs == launch.INTERPRETER_PROGRAMS
+    # griddepcontrol is PTX: the interpreter launches nothing early
+    assert not launch.forward_launch(64, cpu).pdl and not launch.backward_launch(64, cpu).dw_sum_pdl
 
 
 def test_host_integer_helpers_match_triton():

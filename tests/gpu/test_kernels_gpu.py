@@ -133,8 +133,9 @@ def launch_rules(monkeypatch):
 def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch):
     """With programmatic dependent launch the forward may start before the kernel before it
     ends, and waits for its writes before loading: x and the gate come from torch kernels launched
-    just before it, several steps run back to back. With and without PDL, every output has the
-    same bits."""
+    just before it, several steps run back to back; the backward's dW sum starts launching while
+    the backward kernel finishes and waits for its partials. With and without PDL, every output
+    has the same bits."""
     assert launch_rules.programmatic_dependent_launch(torch.device("cuda"))
     x, gate, weight, dy, _ = make_inputs((1, 4096, 8, 128))
 

@@ -13,6 +13,7 @@ the SM count only; docs/design.md says why.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ WARPS = (1, 2, 4, 8)
 BLOCK_ELEMENTS = (512, 1024, 2048)
 PROGRAMS_PER_SM = (4, 8, 16)
 STAGES = (1, 3)
+ALTERNATIONS = 5
 ELEMENTS_PER_THREAD = (4, 16)  # the range swept (fewer leave lanes idle, more spill)
 
 
@@ -64,13 +66,19 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     fwd_cfg, bwd_cfg = fgn.forward_launch(shape[3], x.device), fgn.backward_launch(shape[3], x.device)
     timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
           warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
-    timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy), shipped=True, bt=bwd_cfg.bt,
-          warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms, stages=bwd_cfg.stages,
-          dw_sum_pdl=bwd_cfg.dw_sum_pdl)
-    if bwd_cfg.dw_sum_pdl:  # the shipped launch with the dW sum launched as usual
-        timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=False),
-              bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
-              stages=bwd_cfg.stages, dw_sum_pdl=False)
+    # The shipped backward, and the same with its dW sum launched as usual: a difference of a
+    # few tenths of a us, so the two are timed in turn, ALTERNATIONS times each (median).
+    shipped_bwd = dict(bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
+                       stages=bwd_cfg.stages)
+    pairs = {flag: [] for flag in dict.fromkeys((bwd_cfg.dw_sum_pdl, False))}
+    for _ in range(ALTERNATIONS):
+        for flag, times in pairs.items():
+            times.append(bench_graph(lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=flag)))
+    for flag, times in pairs.items():
+        us = statistics.median(times)
+        results.append({"kernel": "bwd", "shape": shape, **shipped_bwd, "dw_sum_pdl": flag,
+                        "us": us, "runs_us": times, "pct": pct_of_ceiling(nbytes["bwd"], us, ceiling),
+                        **({"shipped": True} if flag == bwd_cfg.dw_sum_pdl else {})})
     for bt, warps in candidate_blocks(shape[3]):
         for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
             timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),

@@ -96,6 +96,11 @@ def summary_lines(results: dict) -> list[str]:
                          f"{r['fwd_us']:8.1f} {r['bwd_us']:8.1f}")
         if entry.get("inference"):
             lines.append(f"{'':30s} inference entry: {entry['inference']}")
+    units = results.get("host_cost", {}).get("own_work_units")
+    if units:
+        lines.append(f"host: own work of one eager forward + backward through autograd "
+                     f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
+                     f"interleaved rounds; fastest {units['best_round']:.1f})")
     return lines
 
 

@@ -6,11 +6,16 @@ called by hand). Compare rows of one run: a VM's CPU speed moves between moments
     python tools/host_cost.py [--out DIR]        # -> DIR/host_cost.json (tools/benchmark.py runs it too)
 
 Each entry is the mean over five rounds of 600 calls (``best_round_us``: the fastest round, the
-least disturbed one, as timeit reports).
+least disturbed one, as timeit reports). ``own_work_units``, the figure of merit: our own host
+work for one eager forward + backward through autograd (forward with autograd + backward
+through autograd - the backward of a trivial autograd Function) in units of a tiny torch op;
+its four timings are taken in interleaved rounds and the ratio is formed per round, so a drift
+of the host's speed during the run falls on all four alike (median and fastest round reported).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +30,7 @@ from tools.bench_common import EPS, make_inputs, measure_and_write  # noqa: E402
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
 ROUNDS, CALLS, WARMUP = 5, 600, 50
+INTERLEAVED_ROUNDS, INTERLEAVED_CALLS = 15, 200
 SHAPE = (1, 16, 8, 128)  # 128 rows
 INFERENCE_HEADS, INFERENCE_DIM = 32, 128  # one token of a serving step
 
@@ -36,19 +42,29 @@ class HostTimer:
         self.rounds, self.calls, self.warmup = rounds, calls, warmup
         self.mean: dict[str, float] = {}
         self.best: dict[str, float] = {}
+        self.extra: dict = {}
 
     def measure(self, name: str, fn) -> None:
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.rounds):
-            start = time.perf_counter()
-            for _ in range(self.calls):
+        self.measure_interleaved({name: fn}, self.rounds, self.calls)
+
+    def measure_interleaved(self, fns: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+        """``rounds`` rounds, each timing ``calls`` calls of every function in turn; records
+        each and returns ``name -> us per call, per round``."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
                 fn()
-            times.append((time.perf_counter() - start) / self.calls * 1e6)
-        torch.cuda.synchronize()
-        self.record(name, times)
+        _synchronize()
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+        _synchronize()
+        for name, per_round in times.items():
+            self.record(name, per_round)
+        return times
 
     def record(self, name: str, times_us: list[float]) -> None:
         self.mean[name], self.best[name] = sum(times_us) / len(times_us), min(times_us)
@@ -58,7 +74,25 @@ class HostTimer:
             table[name] = sum(table[p] for p in parts)
 
     def result(self) -> dict:
-        return {**self.mean, "best_round_us": dict(self.best)}
+        return {**self.mean, "best_round_us": dict(self.best), **self.extra}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+OWN_WORK_PARTS = ("forward_autograd_us", "backward_autograd_us",
+                  "ref_autograd_function_backward_us", "ref_torch_add_us")
+
+
+def own_work_units(times: dict[str, list[float]]) -> dict:
+    """Per round: (forward with autograd + backward through autograd - a trivial Function's
+    backward) / a tiny torch op, from interleaved rounds of the four (OWN_WORK_PARTS)."""
+    forward, backward, trivial, tiny = (times[name] for name in OWN_WORK_PARTS)
+    per_round = [(f + b - t) / op for f, b, t, op in zip(forward, backward, trivial, tiny)]
+    return {"median": statistics.median(per_round), "best_round": min(per_round),
+            "per_round": per_round}
 
 
 class _RecordingKernel:
@@ -99,21 +133,32 @@ class _Scale(torch.autograd.Function):
         return grad * 2
 
 
+def own_work_calls(x, g, w, dy, leaves) -> dict:
+    """The four calls of OWN_WORK_PARTS for inputs from make_inputs."""
+    out = fgn.fused_gated_norm(x, g, w, EPS)
+    ref_out = _Scale.apply(x)
+    xd = x.detach()
+    return {"forward_autograd_us": lambda: fgn.fused_gated_norm(x, g, w, EPS),
+            "backward_autograd_us": lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True),
+            "ref_autograd_function_backward_us":
+                lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True),
+            "ref_torch_add_us": lambda: xd.add(1)}
+
+
 def training_host_cost(timer: HostTimer) -> None:
     x, g, w, dy, leaves = make_inputs(SHAPE)
+    times = timer.measure_interleaved(own_work_calls(x, g, w, dy, leaves), INTERLEAVED_ROUNDS,
+                                      INTERLEAVED_CALLS)
+    timer.extra["own_work_units"] = own_work_units(times)
     timer.measure("validation_us", lambda: fgn.check_gated_norm_inputs(x, g, w, EPS))
     with torch.no_grad():
         timer.measure("forward_no_grad_us", lambda: fgn.fused_gated_norm(x, g, w, EPS))
-    timer.measure("forward_autograd_us", lambda: fgn.fused_gated_norm(x, g, w, EPS))
-    out = fgn.fused_gated_norm(x, g, w, EPS)
-    timer.measure("backward_autograd_us", lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True))
     xd, gd, wd = x.detach(), g.detach(), w.detach()
     timer.measure("forward_impl_us", lambda: fgn.forward_impl(xd, gd, wd, EPS))
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
     timer.measure("backward_impl_us", lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
-    # References on this CPU: a tiny torch kernel launch, an allocation, Triton's own launch path
-    # (JITFunction.run) and the project's launcher with forward_impl's own arguments.
-    timer.measure("ref_torch_add_us", lambda: xd.add(1))
+    # References on this CPU: an allocation, Triton's own launch path (JITFunction.run) and the
+    # project's launcher with forward_impl's own arguments.
     timer.measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))
     grid, tensors, scalars, warps, options = forward_launch_arguments(xd, gd, wd)
     timer.measure("ref_triton_launch_us",
@@ -132,9 +177,6 @@ def training_host_cost(timer: HostTimer) -> None:
     timer.measure("ref_compiled_kernel_launch_us", lambda: compiled(*tensors, *scalars))
     pointers = [t.data_ptr() for t in tensors]
     timer.measure("ref_compiled_kernel_int_pointers_us", lambda: compiled(*pointers, *scalars))
-    ref_out = _Scale.apply(x)
-    timer.measure("ref_autograd_function_backward_us",
-                  lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True))
 
 
 def inference_host_cost(timer: HostTimer) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from tools import benchmark
 from tools.bench_common import bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling, shape_label
-from tools.host_cost import HostTimer
+from tools.host_cost import OWN_WORK_PARTS, HostTimer, own_work_units
 from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
 
@@ -66,6 +66,26 @@ def test_host_timer_keeps_mean_and_best_round():
     assert result["validation_plus_launch_us"] == pytest.approx(14.0)
     assert result["best_round_us"] == {"validation_us": 2.0, "direct_launcher_us": 10.0,
                                        "validation_plus_launch_us": 12.0}
+
+
+def test_own_work_units_are_formed_per_interleaved_round():
+    """The four timings of the figure of merit are taken in turn within each round and the
+    ratio is formed per round: a round where the host ran at half speed scales all four alike
+    and gives the same units."""
+    calls = []
+    timer = HostTimer(warmup=1)
+    fns = {name: (lambda name=name: calls.append(name)) for name in OWN_WORK_PARTS}
+    times = timer.measure_interleaved(fns, rounds=3, calls=2)
+    assert calls[len(OWN_WORK_PARTS):len(OWN_WORK_PARTS) * 3] == [
+        name for name in OWN_WORK_PARTS for _ in range(2)]  # after the warm-up: in turn
+    assert all(len(t) == 3 for t in times.values())
+    steady = {"forward_autograd_us": [40.0, 80.0], "backward_autograd_us": [150.0, 300.0],
+              "ref_autograd_function_backward_us": [100.0, 200.0], "ref_torch_add_us": [10.0, 20.0]}
+    units = own_work_units(steady)
+    assert units["per_round"] == [pytest.approx(9.0), pytest.approx(9.0)]
+    assert units["median"] == pytest.approx(9.0) and units["best_round"] == pytest.approx(9.0)
+    timer.extra["own_work_units"] = units
+    assert timer.result()["own_work_units"] is units
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256, 1000])

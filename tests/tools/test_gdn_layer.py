@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gdn_layer import QWEN3_NEXT, LayerSetup, kernel_group
+from tools.gdn_layer import QWEN3_NEXT, LayerSetup, kernel_group, paired_speedup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,12 +47,24 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     for shape in ("S=64 B=2", "H=2 S=64 B=2"):
         off, on = results["perf"][f"{shape} off"], results["perf"][f"{shape} on"]
         assert 0 < on["kept_bytes_per_token"] <= off["kept_bytes_per_token"]
+        assert len(off["fwd_bwd_ms_steps"]) == len(on["fwd_bwd_ms_steps"]) == 2  # CPU: 2 iters
+        assert on["paired_speedup_median"] > 0 and 0 <= on["pairs_faster_on"] <= 1
     # half the heads keep less per token
     assert results["perf"]["H=2 S=64 B=2 on"]["kept_bytes_per_token"] < \
         results["perf"]["S=64 B=2 on"]["kept_bytes_per_token"]
     for split in results["breakdown"].values():
         assert split["unfused"]["kernel_ms"] > 0 and split["fused"]["kernel_ms"] > 0
         assert split["unfused"]["copy_calls"] > split["fused"]["copy_calls"]  # the copies removed
+
+
+def test_paired_speedup_compares_neighbouring_steps():
+    # The host slows down 2x half-way: the medians of the two layers' steps mix both speeds,
+    # the pairs do not.
+    off = [10.0, 10.0, 20.0, 20.0]
+    on = [9.0, 9.5, 18.0, 21.0]
+    paired = paired_speedup(off, on)
+    assert paired["paired_speedup_median"] == pytest.approx((10 / 9.5 + 20 / 18) / 2)
+    assert paired["pairs_faster_on"] == 0.75
 
 
 def test_per_rank_head_counts_of_qwen3_next():

@@ -21,7 +21,6 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import core.fusions.direct_launch as direct_launch  # noqa: E402
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 from tools.bench_common import EPS, make_inputs  # noqa: E402
-from tools.host_cost import SHAPE, _Scale  # noqa: E402
+from tools.host_cost import OWN_WORK_PARTS, SHAPE, HostTimer, own_work_calls  # noqa: E402
 
 
 class _StubCompiled:
@@ -72,36 +71,21 @@ def stub_launches() -> None:
 
 
 def measurements() -> dict:
-    """name -> a call to time."""
+    """name -> a call to time: tools/host_cost.py's four (the tiny op on 16 elements: no work
+    but the op's host path) and the validation."""
     x, g, w, dy, leaves = make_inputs(SHAPE, device="cpu")
-    tiny = torch.zeros(16)
-    out = fgn.fused_gated_norm(x, g, w, EPS)
-    ref_out = _Scale.apply(x)
-    return {
-        "tiny_op_us": lambda: tiny.add(1),
-        "forward_autograd_us": lambda: fgn.fused_gated_norm(x, g, w, EPS),
-        "backward_autograd_us": lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True),
-        "trivial_function_backward_us":
-            lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True),
-        "validation_us": lambda: fgn.check_gated_norm_inputs(x, g, w, EPS),
-    }
+    return {**own_work_calls(x, g, w, dy, leaves, tiny=torch.zeros(16)),
+            "validation_us": lambda: fgn.check_gated_norm_inputs(x, g, w, EPS)}
 
 
 def measure(rounds: int, calls: int) -> dict:
-    fns = measurements()
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():  # warm-up: first launches fill the launchers' tables
-        for _ in range(50):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls * 1e6)
-    own = best["forward_autograd_us"] + best["backward_autograd_us"] - best[
-        "trivial_function_backward_us"]
-    return {**best, "own_us": own, "own_units": own / best["tiny_op_us"]}
+    # The warm-up also fills the launchers' tables (first launches).
+    timer = HostTimer()
+    timer.measure_interleaved(measurements(), rounds, calls)
+    best = timer.best
+    forward, backward, trivial, tiny = (best[name] for name in OWN_WORK_PARTS)
+    own = forward + backward - trivial
+    return {**best, "own_us": own, "own_units": own / tiny}
 
 
 def profile(calls: int) -> None:

@@ -1,8 +1,8 @@
 """Sweep of the launch parameters of both training kernels (rows per block, warps; forward:
 programmatic dependent launch on or off; backward: programs per SM and pipeline stages, and the
-shipped launch with its dW sum launched early or as usual), GPU
-time in CUDA graphs, with the shipped launch of each kernel timed in the same run, and the
-backward's dW partial sum against torch's.
+shipped launch with its dW sum launched early or as usual), GPU time in CUDA graphs, with the
+shipped launch of each kernel timed in the same run, and the backward's dW partial sum against
+torch's.
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--out DIR]   # -> DIR/launch_sweep.json
 
@@ -54,14 +54,17 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     _, rstd = fgn.forward_impl(x, g, w, EPS)
     results = []
 
+    def record(kernel, us, **params):
+        results.append({"kernel": kernel, "shape": shape, **params, "us": us,
+                        "pct": pct_of_ceiling(nbytes[kernel], us, ceiling)})
+
     def timed(kernel, fn, **params):
         try:
             us = bench_graph(fn)
         except Exception as e:  # noqa: BLE001 - a configuration out of resources is skipped
             log(f"  {kernel} {shape} {params}: {type(e).__name__}")
             return
-        results.append({"kernel": kernel, "shape": shape, **params, "us": us,
-                        "pct": pct_of_ceiling(nbytes[kernel], us, ceiling)})
+        record(kernel, us, **params)
 
     fwd_cfg, bwd_cfg = fgn.forward_launch(shape[3], x.device), fgn.backward_launch(shape[3], x.device)
     timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
@@ -75,10 +78,8 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
         for flag, times in pairs.items():
             times.append(bench_graph(lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=flag)))
     for flag, times in pairs.items():
-        us = statistics.median(times)
-        results.append({"kernel": "bwd", "shape": shape, **shipped_bwd, "dw_sum_pdl": flag,
-                        "us": us, "runs_us": times, "pct": pct_of_ceiling(nbytes["bwd"], us, ceiling),
-                        **({"shipped": True} if flag == bwd_cfg.dw_sum_pdl else {})})
+        record("bwd", statistics.median(times), **shipped_bwd, dw_sum_pdl=flag, runs_us=times,
+               shipped=flag == bwd_cfg.dw_sum_pdl)
     for bt, warps in candidate_blocks(shape[3]):
         for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
             timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),

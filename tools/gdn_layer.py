@@ -614,6 +614,7 @@ def main(argv=None) -> None:
     if "parity" in parts:
         results["parity"] = layer_parity(setup, *shapes[0])
         save()
+
     def case(h: int, seq: int, batch: int, fused: bool) -> str:
         heads = f"H={h} " if h != setup.sizes["num_value_heads"] else ""
         return f"{heads}S={seq} B={batch} {'on' if fused else 'off'}"

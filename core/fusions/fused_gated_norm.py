@@ -490,8 +490,8 @@ def forward_impl(
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
     buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
-    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). ``zero_centered`` must be a bool
-    (TypeError otherwise): it selects a compiled variant."""
+    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
+    ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
     if out is None:

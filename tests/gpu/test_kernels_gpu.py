@@ -113,21 +113,23 @@ def test_d256_blocks_with_the_same_row_layout_give_the_same_bits(dtype, offset):
     assert all(torch.equal(a, b) for a, b in zip(default, rule))
 
 
+def _forget_launch_rules(launch) -> None:
+    """Clear gated_norm_launch's caches and the launch plans made from them."""
+    for rule in (launch.forward_launch, launch.backward_launch,
+                 launch.programmatic_dependent_launch):
+        rule.cache_clear()
+    fgn._launch_plans.clear()
+
+
 @pytest.fixture
 def launch_rules(monkeypatch):
     """gated_norm_launch, its caches and the launch plans cleared before and after the test."""
     import core.fusions.gated_norm_launch as launch
 
-    def clear():
-        for rule in (launch.forward_launch, launch.backward_launch,
-                     launch.programmatic_dependent_launch):
-            rule.cache_clear()
-        fgn._launch_plans.clear()
-
-    clear()
+    _forget_launch_rules(launch)
     yield launch
     monkeypatch.undo()
-    clear()
+    _forget_launch_rules(launch)
 
 
 def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch):
@@ -147,10 +149,7 @@ def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch)
 
     with_pdl = [run() for _ in range(3)]
     monkeypatch.setattr(launch_rules, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
-    launch_rules.programmatic_dependent_launch.cache_clear()
-    launch_rules.forward_launch.cache_clear()
-    launch_rules.backward_launch.cache_clear()
-    fgn._launch_plans.clear()
+    _forget_launch_rules(launch_rules)
     assert not launch_rules.programmatic_dependent_launch(torch.device("cuda"))
     without = run()
     for got in with_pdl:

@@ -2,7 +2,10 @@
 
 Every GPU time is a median: ``bench`` is ``triton.testing.do_bench`` (host included),
 ``bench_graph`` replays the call captured in a CUDA graph (the kernels alone). The copy ceiling
-is a device-to-device copy timed in the same process as what it judges.
+is a device-to-device copy timed in the same process as what it judges. ``same_bytes_copy_us``
+times, in the same harness as the kernels, a plain elementwise kernel that moves a shape's
+bytes: at small shapes it is the better yardstick, because the ten captured calls reuse inputs
+that stay in the L2 cache.
 
 Bytes counted (the minimum a fused kernel must move, used for every implementation alike):
   forward  = x + gate + out (2 B each per element) + rstd (4 B per row)
@@ -17,6 +20,8 @@ import os
 import platform
 
 import torch
+import triton
+import triton.language as tl
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
@@ -113,6 +118,40 @@ def bench_graph(fn, calls: int = 10, rep: int = 50) -> float:
     return us
 
 
+@triton.jit
+def _same_bytes_copy(a, b, c, summed, copied, N, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    """Forward's bytes: read a, b, write a + b. BACKWARD's: also read c and write it to copied."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    first = tl.load(a + offsets, mask=mask)
+    total = (first.to(tl.float32) + tl.load(b + offsets, mask=mask).to(tl.float32)).to(first.dtype)
+    if BACKWARD:
+        tl.store(copied + offsets, tl.load(c + offsets, mask=mask), mask=mask)
+    tl.store(summed + offsets, total, mask=mask)
+
+
+SAME_BYTES_BLOCK, SAME_BYTES_WARPS = 2048, 8  # the forward's block: 8 elements per thread
+
+
+def same_bytes_copy(tensors: tuple, backward: bool) -> None:
+    """One launch of the copy kernel on five flat tensors of one size (a, b, c, summed, copied):
+    the forward's element bytes (2 read, 1 written) or the backward's (3 read, 2 written)."""
+    n = tensors[0].numel()
+    _same_bytes_copy[(triton.cdiv(n, SAME_BYTES_BLOCK),)](*tensors, n, BACKWARD=backward,
+                                                          BLOCK=SAME_BYTES_BLOCK,
+                                                          num_warps=SAME_BYTES_WARPS)
+
+
+def same_bytes_copy_us(shape) -> dict:
+    """GPU time (``bench_graph``) of a kernel that moves a [B, S, H, D] bf16 shape's element bytes
+    of each phase with no arithmetic but one add (rstd's 4 bytes per row aside): what a kernel
+    can reach at this size in this harness."""
+    n = shape[0] * shape[1] * shape[2] * shape[3]
+    tensors = tuple(torch.randn(n, device=DEVICE, dtype=DTYPE) for _ in range(5))
+    return {phase: bench_graph(lambda backward=backward: same_bytes_copy(tensors, backward))
+            for phase, backward in (("fwd", False), ("bwd", True))}
+
+
 def copy_ceiling() -> dict:
     """Device-to-device copy of 2 GiB of bf16 each way (far past the L2): us and GB/s counting
     bytes read + written."""
@@ -139,8 +178,6 @@ def load_fla_rms_norm_gated():
 
 def environment(**extra) -> dict:
     """GPU, versions and date recorded with every result."""
-    import triton
-
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,

@@ -7,8 +7,9 @@ Per shape, forward and backward separately, of: ours, the unfused Megatron path 
 torch.compile (default, and with emulate_precision_casts=True, which keeps the intermediate bf16
 rounding) and FLA's rms_norm_gated (when fla-core is importable). Each is timed as GPU time (the
 call captured in a CUDA graph and replayed) and eagerly (do_bench, host included), and reported
-as us, GB/s and % of the copy ceiling measured at the start of the same run. Also: the
-inference entry against FLA's forward, and the host cost of one call (tools/host_cost.py).
+as us, GB/s and % of the copy ceiling measured at the start of the same run, next to a plain
+kernel moving the same bytes in the same harness (``same_bytes_copy``). Also: the inference
+entry against FLA's forward, and the host cost of one call (tools/host_cost.py).
 Correctness (parity, CUDA graphs, torch.compile, compile count) is tested by
 ``python -m pytest -m gpu tests``.
 """
@@ -31,8 +32,8 @@ from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
 from tools import bench_report, host_cost  # noqa: E402
 from tools.bench_common import (DEVICE, DTYPE, EPS, bench, bench_graph, bytes_moved,  # noqa: E402
                                 capture, copy_ceiling, environment, gbps, load_fla_rms_norm_gated,
-                                log, make_inputs, pct_of_ceiling, require_cuda, shape_label,
-                                write_json)
+                                log, make_inputs, pct_of_ceiling, require_cuda,
+                                same_bytes_copy_us, shape_label, write_json)
 
 # Model shapes [B, S, H, D] (Qwen3-Next's GDN: 32 value heads of 128 at TP 1), then what one
 # tensor-parallel rank holds: 4-32 heads of 128 at S = 4096 and 8192, and 8 or 16 heads of 256.
@@ -179,6 +180,10 @@ def run(shapes, variants, impl_names, out_dir: str) -> dict:
         entry = {"label": label, "shape": shape, "variant": variant,
                  "rows": shape[0] * shape[1] * shape[2], "bytes": nbytes,
                  "floor_us": {k: nbytes[k] / ceiling / 1e3 for k in ("fwd", "bwd")}, "impls": {}}
+        copy_us = same_bytes_copy_us(shape)
+        entry["same_bytes_copy"] = {**{f"{k}_graph_us": v for k, v in copy_us.items()},
+                                    **{f"{k}_graph_pct": pct_of_ceiling(nbytes[k], v, ceiling)
+                                       for k, v in copy_us.items()}}
         for name, fn in impls.items():
             if variant != "plain" and name.startswith("compile"):
                 continue  # each torch.compile case costs ~10 s of compilation

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tools import benchmark
-from tools.bench_common import bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling, shape_label
+from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling,
+                                same_bytes_copy, shape_label)
 from tools.host_cost import OWN_WORK_PARTS, HostTimer, own_work_units
 from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
@@ -32,6 +33,18 @@ def test_bytes_moved_and_rates():
     assert moved == {"fwd": 6 * elements + 4 * rows, "bwd": 10 * elements + 4 * rows, "infer": 6 * elements}
     assert gbps(4_000_000, 1000.0) == pytest.approx(4.0)  # 4 MB in 1 ms
     assert pct_of_ceiling(4_000_000, 1000.0, 8.0) == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_same_bytes_copy_moves_each_phase_s_bytes(backward):
+    """The yardstick kernel reads two tensors and writes one (forward), or reads three and
+    writes two (backward), over elements past one block."""
+    n = 2048 + 5
+    a, b, c = (torch.randn(n, dtype=torch.bfloat16) for _ in range(3))
+    summed, copied = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    same_bytes_copy((a, b, c, summed, copied), backward)
+    torch.testing.assert_close(summed, a + b)  # rounded (GPU) or truncated (interpreter)
+    assert torch.equal(copied, c if backward else torch.zeros_like(c))
 
 
 def test_strided_gate_is_a_slice_of_the_packed_projection():

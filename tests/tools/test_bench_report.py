@@ -36,8 +36,11 @@ def results():
     shape = (1, 64, 4, 128)
     return {"env": {"gpu": "Test GPU", "torch": "2.x", "triton": "3.x", "fla": None, "date": "2026-01-01"},
             "ceiling": {"us": 1.0, "GBps": 4000.0},
-            "timings": [case(shape, "plain", {"ours": impl(2.0, 3.0), "eager": impl(8.0, 9.0),
-                                              "fla": impl(1.9, 4.0), "compile": impl(2.5, float("nan"))}),
+            "timings": [{**case(shape, "plain", {"ours": impl(2.0, 3.0), "eager": impl(8.0, 9.0),
+                                                 "fla": impl(1.9, 4.0),
+                                                 "compile": impl(2.5, float("nan"))}),
+                         "same_bytes_copy": {"fwd_graph_us": 1.6, "fwd_graph_pct": 94.0,
+                                             "bwd_graph_us": 2.7, "bwd_graph_pct": 93.0}},
                         case(shape, "strided_gate", {"ours": impl(2.2, 3.3), "fla": impl(6.0, 4.0)})]}
 
 
@@ -50,6 +53,9 @@ def test_peer_comparison_picks_the_fastest_peer_per_phase(results):
     assert plain["fwd_bwd"]["speedup"] == pytest.approx(5.9 / 5.0)
     assert plain["fwd_bwd"]["max_possible_speedup"] == pytest.approx(5.9 / 4.0)
     assert "vs_plain_pct" not in plain
+    assert plain["fwd"]["of_same_bytes_copy_pct"] == pytest.approx(80.0)  # 1.6 us vs ours 2.0
+    assert plain["bwd"]["of_same_bytes_copy_pct"] == pytest.approx(90.0)
+    assert "of_same_bytes_copy_pct" not in strided["fwd"]  # no copy timed for that case
     assert strided["vs_plain_pct"]["fwd"] == pytest.approx(10.0)
     assert strided["vs_plain_pct"]["bwd"] == pytest.approx(10.0)
 
@@ -60,7 +66,9 @@ def test_report_writes_csv_and_plot(results, tmp_path, capsys):
     with open(tmp_path / "benchmark.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["label"], r["impl"]) for r in rows][:2] == [("1x64x4x128", "ours"), ("1x64x4x128", "eager")]
-    assert len(rows) == 6 and float(rows[0]["fwd_graph_us"]) == 2.0
+    assert len(rows) == 7 and float(rows[0]["fwd_graph_us"]) == 2.0
+    copy = rows[4]
+    assert (copy["impl"], float(copy["bwd_graph_us"]), copy["fwd_us"]) == ("same_bytes_copy", 2.7, "")
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
 
 
@@ -68,6 +76,8 @@ def test_summary_table_lists_every_implementation(results):
     lines = bench_report.summary_lines(results)
     assert lines[0].startswith("Test GPU") and "4000 GB/s" in lines[0]
     assert sum(" ours " in line for line in lines) == 2
+    copy = [line for line in lines if "same-bytes copy" in line]
+    assert len(copy) == 1 and copy[0].split()[-5:] == ["1.6", "94", "|", "2.7", "93"]
 
 
 def test_command_line(tmp_path):
@@ -104,6 +114,7 @@ def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
     monkeypatch.setattr(benchmark, "DEVICE", "cpu")
     for name in ("bench", "bench_graph"):
         monkeypatch.setattr(benchmark, name, one_call)
+    monkeypatch.setattr(bench_common, "bench_graph", one_call)  # the same-bytes copy's timer
     monkeypatch.setattr(benchmark, "copy_ceiling", lambda: {"us": 1.0, "GBps": 4000.0})
     monkeypatch.setattr(benchmark, "environment", lambda **extra: {
         "gpu": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01", **extra})
@@ -120,6 +131,10 @@ def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
     for entry in results["timings"]:
         assert set(entry["impls"]) == {"ours", "eager"} and "errors" not in entry
         assert entry["impls"]["ours"]["bwd_graph_us"] == 1.0  # fwd+bwd graph minus fwd graph
+        copy = entry["same_bytes_copy"]
+        assert copy["bwd_graph_us"] == copy["fwd_graph_us"] + 1  # timed one after the other
+        assert copy["fwd_graph_pct"] == pytest.approx(
+            bench_common.pct_of_ceiling(entry["bytes"]["fwd"], copy["fwd_graph_us"], 4000.0))
     assert set(results["timings"][0]["inference"]) == {"ours_us"}
     assert [r["tokens"] for r in results["inference_serving"]] == [1, 3]
     assert results["host_cost"] == {"validation_us": 1.0}

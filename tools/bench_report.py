@@ -13,6 +13,7 @@ import os
 from tools.bench_common import log
 
 PHASES = ("fwd", "bwd")
+SAME_BYTES_COPY = "same_bytes_copy"  # a case's key for the copy moving its bytes (GPU time)
 PLOT_ORDER = ("ours", "compile_casts", "compile", "fla", "eager")
 CSV_FIELDS = ("label", "rows", "impl", "fwd_graph_us", "fwd_graph_pct", "bwd_graph_us",
               "bwd_graph_pct", "fwd_us", "fwd_GBps", "fwd_pct", "bwd_us", "bwd_GBps", "bwd_pct")
@@ -45,7 +46,7 @@ def peer_comparison(results: dict) -> list[dict]:
                               "ours_pct": ours[f"{phase}_graph_pct"],
                               "best_peer": best, "best_peer_us": times[best],
                               "slower_pct": 100 * (ours[f"{phase}_graph_us"] / times[best] - 1)}
-            copy = t.get("same_bytes_copy")
+            copy = t.get(SAME_BYTES_COPY)
             if copy is not None and phase in row:
                 row[phase]["of_same_bytes_copy_pct"] = (100 * copy[f"{phase}_graph_us"]
                                                         / ours[f"{phase}_graph_us"])
@@ -97,7 +98,7 @@ def summary_lines(results: dict) -> list[str]:
     for entry in results["timings"]:
         floor = entry["floor_us"]
         lines.append(f"{entry['label']:30s} {'floor':14s} {floor['fwd']:8.1f} {'':>4s} | {floor['bwd']:8.1f}")
-        copy = entry.get("same_bytes_copy")
+        copy = entry.get(SAME_BYTES_COPY)
         if copy is not None:
             lines.append(f"{'':30s} {'same-bytes copy':14s} {copy['fwd_graph_us']:8.1f} "
                          f"{copy['fwd_graph_pct']:4.0f} | {copy['bwd_graph_us']:8.1f} "
@@ -114,9 +115,6 @@ def summary_lines(results: dict) -> list[str]:
                      f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
                      f"interleaved rounds; fastest {units['best_round']:.1f})")
     return lines
-
-
-SAME_BYTES_COPY = "same_bytes_copy"
 
 
 def write_csv(results: dict, path: str) -> None:

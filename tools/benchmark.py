@@ -181,7 +181,7 @@ def run(shapes, variants, impl_names, out_dir: str) -> dict:
                  "rows": shape[0] * shape[1] * shape[2], "bytes": nbytes,
                  "floor_us": {k: nbytes[k] / ceiling / 1e3 for k in ("fwd", "bwd")}, "impls": {}}
         copy_us = same_bytes_copy_us(shape)
-        entry["same_bytes_copy"] = {**{f"{k}_graph_us": v for k, v in copy_us.items()},
+        entry[bench_report.SAME_BYTES_COPY] = {**{f"{k}_graph_us": v for k, v in copy_us.items()},
                                     **{f"{k}_graph_pct": pct_of_ceiling(nbytes[k], v, ceiling)
                                        for k, v in copy_us.items()}}
         for name, fn in impls.items():

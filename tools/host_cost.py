@@ -11,6 +11,9 @@ work for one eager forward + backward through autograd (forward with autograd + 
 through autograd - the backward of a trivial autograd Function) in units of a tiny torch op;
 its four timings are taken in interleaved rounds and the ratio is formed per round, so a drift
 of the host's speed during the run falls on all four alike (median and fastest round reported).
+``backward_impl_in_autograd_us`` is ``backward_impl`` timed inside the backward through autograd,
+which the engine runs on its own thread for CUDA tensors, next to ``backward_impl_us`` called
+directly.
 """
 
 from __future__ import annotations
@@ -75,6 +78,35 @@ class HostTimer:
 
     def result(self) -> dict:
         return {**self.mean, "best_round_us": dict(self.best), **self.extra}
+
+
+def measure_inside(timer: HostTimer, name: str, module, attribute: str, call) -> None:
+    """Records ``name``: the us per call spent inside ``module.attribute`` (a function that
+    ``call`` reaches through the module) while ``call`` runs, in the timer's rounds."""
+    original = getattr(module, attribute)
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(module, attribute, timed)
+    try:
+        for _ in range(timer.warmup):
+            call()
+        per_round = []
+        for _ in range(timer.rounds):
+            spent[0] = 0.0
+            for _ in range(timer.calls):
+                call()
+            per_round.append(spent[0] / timer.calls * 1e6)
+    finally:
+        setattr(module, attribute, original)
+    _synchronize()
+    timer.record(name, per_round)
 
 
 def _synchronize() -> None:
@@ -157,6 +189,9 @@ def training_host_cost(timer: HostTimer) -> None:
     timer.measure("forward_impl_us", lambda: fgn.forward_impl(xd, gd, wd, EPS))
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
     timer.measure("backward_impl_us", lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
+    # The same backward_impl as the autograd engine runs it (on its device thread for CUDA).
+    backward = own_work_calls(x, g, w, dy, leaves, tiny=xd)["backward_autograd_us"]
+    measure_inside(timer, "backward_impl_in_autograd_us", fgn, "_backward", backward)
     # References on this CPU: an allocation, Triton's own launch path (JITFunction.run) and the
     # project's launcher with forward_impl's own arguments.
     timer.measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))

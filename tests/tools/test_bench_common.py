@@ -4,13 +4,15 @@ Triton interpreter."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
-from tools import benchmark
+from tools import benchmark, host_cost
 from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling,
                                 same_bytes_copy, shape_label)
-from tools.host_cost import OWN_WORK_PARTS, HostTimer, own_work_units
+from tools.host_cost import OWN_WORK_PARTS, HostTimer, measure_inside, own_work_units
 from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
 
@@ -79,6 +81,26 @@ def test_host_timer_keeps_mean_and_best_round():
     assert result["validation_plus_launch_us"] == pytest.approx(14.0)
     assert result["best_round_us"] == {"validation_us": 2.0, "direct_launcher_us": 10.0,
                                        "validation_plus_launch_us": 12.0}
+
+
+def test_measure_inside_times_only_the_inner_function_and_puts_it_back(monkeypatch):
+    clock = iter(range(10**6))  # every reading of the clock is one second later
+    monkeypatch.setattr(host_cost, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+
+    def inner(value):
+        return value + 1
+
+    module = types.SimpleNamespace(inner=inner)
+    results = []
+
+    def outer():
+        next(clock)  # time spent outside the inner function is not counted
+        results.append(module.inner(1))
+
+    timer = HostTimer(rounds=3, calls=4, warmup=2)
+    measure_inside(timer, "inner_us", module, "inner", outer)
+    assert results == [2] * (2 + 3 * 4) and module.inner is inner
+    assert timer.mean["inner_us"] == timer.best["inner_us"] == 1e6  # one reading apart
 
 
 def test_own_work_units_are_formed_per_interleaved_round():

@@ -47,79 +47,51 @@ def sm_count(device: torch.device) -> int:
     return 4  # CPU interpreter: programs run one after another; a few keep dW partials small
 
 
-# Programmatic dependent launch (Hopper and later) of the forward: it may start while the kernel
-# before it in the stream drains, waits for that kernel's writes (griddepcontrol.wait) before its
-# first load, and lets the kernel after it start once all of its own programs run. It hides part
-# of the time between two kernels, a large share of a call at the row counts of TP 4-8 ranks
-# (H200, GPU time in CUDA graphs, tools/launch_sweep.py: 4.33 -> 3.74 us at 16k rows of D=128,
-# 6.83 -> 6.27 at 32k, 26.18 -> 25.36 at 128k, 14.46 -> 13.94 at 32k rows of D=256). Bits do not
-# change. The backward kernel launches as usual (launched early, with the dW sum, it was 30-70 %
-# slower in CUDA graphs); its dW sum is launched early (DW_SUM_PDL below).
+# Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
+# drains and waits for its writes before its first load; a share of the time between kernels
+# that matters at the row counts of TP 4-8 ranks (16k rows: 4.3 -> 3.7 us). Bits do not change.
+# The backward kernel itself launches as usual (launched early it was 30-70 % slower in CUDA
+# graphs); its dW sum launches early (DW_SUM_PDL). docs/design.md, Small row counts.
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
 @functools.lru_cache(maxsize=None)
 def programmatic_dependent_launch(device: torch.device) -> bool:
     """Whether the kernels that take it (the forward, the backward's dW sum) are launched on
-    ``device`` with programmatic dependent launch: NVIDIA sm_90+ (griddepcontrol is PTX: not for the interpreter, nor for ROCm, whose devices also
-    report a capability)."""
+    ``device`` with programmatic dependent launch: NVIDIA sm_90+ (griddepcontrol is PTX: not for
+    the interpreter, nor for ROCm, whose devices also report a capability)."""
     return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-# H200 sweeps (bf16, 524k and 1M rows of D=128, 262k rows of D=256):
-# - forward (tools/forward_variants.py, without the grid-stride loop and with 32-bit column
-#   offsets): 2048 elements per program with 4 warps (bt=16 at D=128, bt=8 at D=256) was best
-#   or within 0.5 % of it at every size (99 % / 95 % / 95 % of the copy ceiling); 1024 with 2
-#   warps was within 1 %, 4096 with 4 warps 9 % slower.
-# - backward (tools/launch_sweep.py, GPU time in CUDA graphs, dW sum included, 16k-128k rows of
-#   D=128 and 32k of D=256): 512 elements per loop iteration with 2 warps (4 rows at D=128, 2 at
-#   D=256), 3 pipeline stages and 8 programs per SM was the fastest at 32k and 128k rows and
-#   within 3 % of it at 16k; against the former 1024 elements, 4 warps, no pipelining: 9.9 vs
-#   12.5 us at 16k rows, 15.3 vs 17.9 at 32k, 46.5 vs 49.4 at 128k, 27.8 vs 34.0 at 32k rows of
-#   D=256 (where 1 warp, 16 elements per thread, was 5 % faster still: one shape, not taken).
-#   Every block of 8 elements per thread lays a row out the same way (tools/kernel_ir.py), so
-#   dx keeps its bits across these choices.
-# - forward (`tools/launch_sweep.py`, GPU time in CUDA graphs, the real kernel):
-#   at D=128, 8 warps (8 elements per thread) beat 4: 26.3 vs 27.6 us at 131k rows, 187.5 vs
-#   188.3 at 1M, 6.7 vs 7.1 at 32k; at D=256, 4 warps stayed best (bt=8: 95.5 us, 8 warps 100.5).
-# - forward, small grids (D=128): 1024 elements with 2 warps beat the regular
-#   block at 16k and 32k rows (6.45 vs 6.8 us) and lost from 49k rows on. Not taken: a row's
-#   reduction tree follows its layout along the row (elements per thread, lanes, warps; rstd
-#   can move by an fp32 ulp), and for rows that are not 16-byte aligned 2 warps lay a row out
-#   differently from 8 (compiled for sm_90: tools/kernel_ir.py, docs/design.md), so a rows-dependent
-#   choice would make a token's output depend on how many tokens share its batch.
-# Neither kernel's parameters depend on the row count (only the grid does): a row gets the same
-# bits in any batch (test_rows_get_the_same_bits_in_any_batch), and a new token count never
-# compiles a new kernel.
+# Block shapes from H200 sweeps (bf16; tools/launch_sweep.py, tools/forward_variants.py; the
+# numbers are in docs/design.md, Launch choices). Forward: 2048 elements per program, 8 per thread
+# up to 128 elements per row and 16 beyond. Backward: 512 elements per loop iteration, 8 per
+# thread, 3 pipeline stages, 8 persistent programs per SM.
+# Neither depends on the row count (only the grid does): a row's fp32 reduction tree follows its
+# layout along the row, so a rows-dependent block could give a token other bits in another batch
+# (test_rows_get_the_same_bits_in_any_batch), and a new token count never compiles a new kernel.
 FORWARD_ELEMENTS_PER_BLOCK = 2048
 BACKWARD_ELEMENTS_PER_BLOCK = 512
 FORWARD_ELEMENTS_PER_THREAD = 16
 FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 128)
-# Swept blocks that beat the rule above, by BLOCK_D: (rows per program, warps). 256: 4 rows x
-# 4 warps (8 elements per thread) against the rule's 8 x 4, in two sweeps: -7 to -8 % at 32k rows, -1.8 % at 131k, -0.4 to -0.6 % at 262k, +1 to +3 % at 16k.
-# A row's layout (8 elements x 32 lanes, or 4 warps along an unaligned row) is the same in
-# both, so no bit changes (tools/kernel_ir.py).
+# Swept blocks that beat the rule above, by BLOCK_D: (rows per program, warps). At 256, 4 x 4
+# lays a row out as the rule's 8 x 4 does (tools/kernel_ir.py), so no bit changes.
 FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
 
 
-# The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load
-# (<= 2048 x 8 fp32 = 64 per thread with 8 warps), about 64 programs reading the partials at once
-# (swept: 2 columns at D=128, 4 at D=256, 0.1-0.4 us faster than 8 at 132-1056 partials).
-# The interpreter pays per program: one program takes the whole row.
+# The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load,
+# about 64 programs reading at once (faster than 16 by 0.1-0.4 us). The interpreter pays per
+# program: one program takes the whole row.
 DW_SUM_PROGRAMS = 64
 DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
 # The dW sum with programmatic dependent launch: the backward kernel lets it launch once a
-# program's row loop is done, and it waits for the backward's completion before reading a
-# partial. GPU time of the backward alone in CUDA graphs, same process (H200, bf16): 10.13 ->
-# 9.92 us at 16k rows of D=128, 15.65 -> 15.39 at 32k, 26.84 -> 26.56 at 64k, 46.93 -> 46.64 at
-# 128k, 27.72 -> 27.48 at 32k rows of D=256; it also lets a kernel launched the same way after
-# it (the next forward) start early. With the backward's implicit trigger (at its exit) instead,
-# it was 0.15-0.3 us slower than no early launch. Bits do not change.
+# program's row loop is done; it waits for the backward's completion before reading a partial
+# (16k rows: 10.1 -> 9.9 us for the backward alone). Bits do not change.
 DW_SUM_PDL = True
 
 

@@ -316,18 +316,10 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
-    from core.ssm.gated_delta_net import GatedDeltaNet
     from core.testing.gdn import build_gdn_layer, eager_megatron_gdn, gdn_config
-    from core.testing.gdn_layer_tp import reset_cuda_graphs, wrap_ddp
+    from core.testing.gdn_layer_tp import counting_norm_calls, reset_cuda_graphs, wrap_ddp
 
     x, dy = setup.inputs(seq, batch, seed=2)
-    norm_calls = []
-    original = GatedDeltaNet._apply_gated_norm
-
-    def counting(self, *args):
-        norm_calls.append(1)
-        return original(self, *args)
-
     with eager_megatron_gdn():
         reset_cuda_graphs()
         model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
@@ -343,12 +335,11 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
         try:
             step()  # eager, recorded
             create_cudagraphs()
-            GatedDeltaNet._apply_gated_norm = counting
-            times = timings_ms(setup, step, iters, warmup)
+            with counting_norm_calls() as norm_calls:
+                times = timings_ms(setup, step, iters, warmup)
             runners = model.module.cudagraph_manager.cudagraph_runners
             captured = all(r.fwd_graph is not None and r.bwd_graph is not None for r in runners)
         finally:
-            GatedDeltaNet._apply_gated_norm = original
             reset_cuda_graphs()
             del model
             model_parallel_cuda_manual_seed(1234, force_reset_rng=True)

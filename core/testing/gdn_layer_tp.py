@@ -20,6 +20,7 @@ Used by tests/gpu/test_gdn_tp_cuda_graphs.py.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import sys
 
@@ -97,6 +98,26 @@ def reset_cuda_graphs() -> None:
     CudaGraphManager.global_mempool = None
 
 
+@contextlib.contextmanager
+def counting_norm_calls():
+    """While open, every run of GatedDeltaNet's Python norm code (``_apply_gated_norm``) appends
+    to the yielded list: a step replayed from megatron's CUDA graphs appends nothing."""
+    from core.ssm.gated_delta_net import GatedDeltaNet
+
+    calls = []
+    original = GatedDeltaNet._apply_gated_norm
+
+    def counting(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    GatedDeltaNet._apply_gated_norm = counting
+    try:
+        yield calls
+    finally:
+        GatedDeltaNet._apply_gated_norm = original
+
+
 def _cuda_graph_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
     """Step 1 eager (recorded), create_cudagraphs(), step 2 replayed; returns step 2's dW and
     how many times the Python norm code ran during step 2 (0: the graphs ran)."""
@@ -118,8 +139,6 @@ def _cuda_graph_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dic
 def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
     from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
-    from core.ssm.gated_delta_net import GatedDeltaNet
-
     reset_cuda_graphs()
     _parallel(tp_size, cudagraphable_rng=True)
     config = layer_config(tp_size, cuda_graph_impl="local", bias_dropout_fusion=False)
@@ -127,18 +146,10 @@ def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
     model = wrap_ddp(layer)
     eager_dw = ddp_step(model, x, dy)
     create_cudagraphs()
-    calls = []
-    original = GatedDeltaNet._apply_gated_norm
-
-    def counting(self, *args):
-        calls.append(1)
-        return original(self, *args)
-
-    GatedDeltaNet._apply_gated_norm = counting
     try:
-        replay_dw = ddp_step(model, x, dy)
+        with counting_norm_calls() as calls:
+            replay_dw = ddp_step(model, x, dy)
     finally:
-        GatedDeltaNet._apply_gated_norm = original
         runners = layer.cudagraph_manager.cudagraph_runners
         graphs = [(r.fwd_graph is not None, r.bwd_graph is not None) for r in runners]
         reset_cuda_graphs()

@@ -176,6 +176,12 @@ def test_fused_path_in_training_saves_a_compact_gate_and_writes_sbhd(monkeypatch
     _check_sbhd_output_is_final(seen)
 
 
+def _norm_recompute(recompute: bool) -> dict:
+    """Config options of selective recompute of gdn_norm_out, or none."""
+    return dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]) \
+        if recompute else {}
+
+
 def _bytes_kept_for_backward(module, x) -> int:
     return bytes_kept_for_backward(
         lambda: module(x.clone().requires_grad_(True), attention_mask=None),
@@ -187,8 +193,7 @@ def test_flag_keeps_no_more_activation_memory_in_deterministic_mode(recompute):
     """deterministic_mode's torch conv copies qkv, so the in_proj output would be freed: the
     fused path takes megatron's gate copy and keeps at most what flag off keeps; with
     gdn_norm_out recompute (the checkpoint keeps the norm's inputs on both paths) exactly that."""
-    extra = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]) \
-        if recompute else {}
+    extra = _norm_recompute(recompute)
     x, _ = _inputs(torch.bfloat16, seed=5)
     kept = {fused: _bytes_kept_for_backward(
         build_gdn_module(gdn_config(fused_gated_norm=fused, **extra)), x) for fused in (False, True)}
@@ -212,8 +217,7 @@ def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute
     # FLA's conv itself (other test modules may have installed the CPU stand-ins at import)
     monkeypatch.setattr(megatron_gdn, "causal_conv1d", causal_conv1d)
     monkeypatch.setattr(megatron_gdn, "chunk_gated_delta_rule", torch_chunk_gated_delta_rule)
-    extra = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]) \
-        if recompute else {}
+    extra = _norm_recompute(recompute)
     x, _ = _inputs(torch.bfloat16, seed=5)
     kept, modules = {}, {}
     for fused in (False, True):
@@ -224,6 +228,21 @@ def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute
     gate_copy = SEQ * BATCH * 4 * 16 * 2  # [B, S, 4 value heads, 16] bf16
     assert kept[False] - kept[True] >= gate_copy
     assert modules[True]._reads_gate_in_place()
+
+
+def test_counting_norm_calls_counts_each_run_of_the_norm_code_and_restores_it():
+    """The counter the CUDA-graph harnesses use to tell a replayed step (no Python norm call)
+    from an eager one."""
+    from core.testing.gdn_layer_tp import counting_norm_calls
+
+    original = gdn_mod.GatedDeltaNet._apply_gated_norm
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    x, _ = _inputs(torch.bfloat16, seed=3)
+    with counting_norm_calls() as calls, torch.no_grad():
+        module(x, attention_mask=None)
+        module(x, attention_mask=None)
+    assert len(calls) == 2
+    assert gdn_mod.GatedDeltaNet._apply_gated_norm is original
 
 
 def test_fused_forward_checks_inputs_once(monkeypatch):

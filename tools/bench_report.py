@@ -114,6 +114,10 @@ def summary_lines(results: dict) -> list[str]:
         lines.append(f"host: own work of one eager forward + backward through autograd "
                      f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
                      f"interleaved rounds; fastest {units['best_round']:.1f})")
+        signature = results["host_cost"].get("same_signature_units")
+        if signature:
+            lines.append(f"      a Function of the same signature doing one tiny op each way: "
+                         f"{signature['median']:.1f} (fastest {signature['best_round']:.1f})")
     return lines
 
 

@@ -11,6 +11,9 @@ work for one eager forward + backward through autograd (forward with autograd + 
 through autograd - the backward of a trivial autograd Function) in units of a tiny torch op;
 its four timings are taken in interleaved rounds and the ratio is formed per round, so a drift
 of the host's speed during the run falls on all four alike (median and fastest round reported).
+``same_signature_units`` is the same formula for a Function of our signature that launches one
+tiny kernel each way and does nothing else, timed in the same rounds: the part of the figure
+that autograd charges for the signature alone.
 ``backward_impl_in_autograd_us`` is ``backward_impl`` timed inside the backward through autograd,
 which the engine runs on its own thread for CUDA tensors, next to ``backward_impl_us`` called
 directly.
@@ -118,11 +121,27 @@ OWN_WORK_PARTS = ("forward_autograd_us", "backward_autograd_us",
                   "ref_autograd_function_backward_us", "ref_torch_add_us")
 
 
+# A Function with our signature that does nothing but one tiny kernel each way, timed like ours
+# (forward with autograd, backward through autograd).
+SAME_SIGNATURE_PARTS = ("ref_same_signature_forward_us", "ref_same_signature_backward_us")
+
+
 def own_work_units(times: dict[str, list[float]]) -> dict:
     """Per round: (forward with autograd + backward through autograd - a trivial Function's
     backward) / a tiny torch op, from interleaved rounds of the four (OWN_WORK_PARTS)."""
-    forward, backward, trivial, tiny = (times[name] for name in OWN_WORK_PARTS)
-    per_round = [(f + b - t) / op for f, b, t, op in zip(forward, backward, trivial, tiny)]
+    return _units_per_round(times, *OWN_WORK_PARTS[:2])
+
+
+def same_signature_units(times: dict[str, list[float]]) -> dict:
+    """The same formula with ``_SameSignature`` in place of our Function: the part of the figure
+    that autograd charges any Function of our signature."""
+    return _units_per_round(times, *SAME_SIGNATURE_PARTS)
+
+
+def _units_per_round(times: dict[str, list[float]], forward: str, backward: str) -> dict:
+    trivial, tiny = (times[name] for name in OWN_WORK_PARTS[2:])
+    per_round = [(f + b - t) / op for f, b, t, op in zip(times[forward], times[backward], trivial,
+                                                          tiny)]
     return {"median": statistics.median(per_round), "best_round": min(per_round),
             "per_round": per_round}
 
@@ -165,16 +184,37 @@ class _Scale(torch.autograd.Function):
         return grad * 2
 
 
+class _SameSignature(torch.autograd.Function):
+    """_FusedGatedNorm's signature (three tensors that take gradients and a tuple of options)
+    and no work but one tiny kernel each way: what autograd itself costs a Function of that shape,
+    which the trivial one-input Function does not pay."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, options):
+        ctx.weight = weight  # returned as the weight's gradient: right shape, no kernel
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx = grad * 2
+        return dx, dx, ctx.weight, None
+
+
 def own_work_calls(x, g, w, dy, leaves, tiny: torch.Tensor) -> dict:
-    """The four calls of OWN_WORK_PARTS for inputs from make_inputs; the tiny op adds 1 to
-    ``tiny``."""
+    """The calls of OWN_WORK_PARTS and SAME_SIGNATURE_PARTS for inputs from make_inputs; the tiny
+    op adds 1 to ``tiny``."""
     out = fgn.fused_gated_norm(x, g, w, EPS)
     ref_out = _Scale.apply(x)
+    options = (EPS, False, "bshd", "silu", 1.0)  # as apply_validated_gated_norm passes them
+    same_signature_out = _SameSignature.apply(x, g, w, options)
     return {"forward_autograd_us": lambda: fgn.fused_gated_norm(x, g, w, EPS),
             "backward_autograd_us": lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True),
             "ref_autograd_function_backward_us":
                 lambda: torch.autograd.grad(ref_out, (x,), dy, retain_graph=True),
-            "ref_torch_add_us": lambda: tiny.add(1)}
+            "ref_torch_add_us": lambda: tiny.add(1),
+            "ref_same_signature_forward_us": lambda: _SameSignature.apply(x, g, w, options),
+            "ref_same_signature_backward_us":
+                lambda: torch.autograd.grad(same_signature_out, leaves, dy, retain_graph=True)}
 
 
 def training_host_cost(timer: HostTimer) -> None:
@@ -182,6 +222,7 @@ def training_host_cost(timer: HostTimer) -> None:
     own_work = own_work_calls(x, g, w, dy, leaves, tiny=x.detach())
     times = timer.measure_interleaved(own_work, INTERLEAVED_ROUNDS, INTERLEAVED_CALLS)
     timer.extra["own_work_units"] = own_work_units(times)
+    timer.extra["same_signature_units"] = same_signature_units(times)
     timer.measure("validation_us", lambda: fgn.check_gated_norm_inputs(x, g, w, EPS))
     with torch.no_grad():
         timer.measure("forward_no_grad_us", lambda: fgn.fused_gated_norm(x, g, w, EPS))

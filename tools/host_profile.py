@@ -11,7 +11,9 @@ all measurements interleaved, best round each (the least disturbed): a shared CP
 between moments, ratios within one run do not. ``own_units`` = (forward with autograd +
 backward through autograd - backward through autograd of a trivial Function) / tiny op, the
 quantity tools/host_cost.py measures on a GPU host (there a tiny op includes a CUDA launch, so
-the CPU's units are larger numbers for the same work). ``--profile`` adds a cProfile listing.
+the CPU's units are larger numbers for the same work); ``same_signature_units``, the same for a
+Function of our signature that only launches one tiny op each way. ``--profile`` adds a
+cProfile listing.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch  # noqa: E402
 import core.fusions.direct_launch as direct_launch  # noqa: E402
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 from tools.bench_common import EPS, make_inputs  # noqa: E402
-from tools.host_cost import OWN_WORK_PARTS, SHAPE, HostTimer, own_work_calls  # noqa: E402
+from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, SHAPE, HostTimer,  # noqa: E402
+                             own_work_calls)
 
 
 class _StubCompiled:
@@ -85,7 +88,9 @@ def measure(rounds: int, calls: int) -> dict:
     best = timer.best
     forward, backward, trivial, tiny = (best[name] for name in OWN_WORK_PARTS)
     own = forward + backward - trivial
-    return {**best, "own_us": own, "own_units": own / tiny}
+    signature = sum(best[name] for name in SAME_SIGNATURE_PARTS) - trivial
+    return {**best, "own_us": own, "own_units": own / tiny,
+            "same_signature_units": signature / tiny}
 
 
 def profile(calls: int) -> None:

@@ -12,7 +12,8 @@ import torch
 from tools import benchmark, host_cost
 from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling,
                                 same_bytes_copy, shape_label)
-from tools.host_cost import OWN_WORK_PARTS, HostTimer, measure_inside, own_work_units
+from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, HostTimer, measure_inside,
+                             own_work_calls, own_work_units, same_signature_units)
 from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
 
@@ -121,6 +122,27 @@ def test_own_work_units_are_formed_per_interleaved_round():
     assert units["median"] == pytest.approx(9.0) and units["best_round"] == pytest.approx(9.0)
     timer.extra["own_work_units"] = units
     assert timer.result()["own_work_units"] is units
+
+
+def test_same_signature_units_take_the_same_formula_with_the_reference_function():
+    times = {"forward_autograd_us": [40.0], "backward_autograd_us": [150.0],
+             "ref_autograd_function_backward_us": [100.0], "ref_torch_add_us": [10.0],
+             "ref_same_signature_forward_us": [30.0], "ref_same_signature_backward_us": [130.0]}
+    assert own_work_units(times)["per_round"] == [pytest.approx(9.0)]
+    assert same_signature_units(times)["per_round"] == [pytest.approx(6.0)]
+
+
+def test_own_work_calls_run_and_the_same_signature_reference_mirrors_ours():
+    """Every timed call runs on the CPU (interpreter), and the reference Function takes our
+    Function's arguments and gives gradients of the same shapes."""
+    x, g, w, dy, leaves = make_inputs((1, 4, 2, 16), device="cpu")
+    calls = own_work_calls(x, g, w, dy, leaves, tiny=torch.zeros(16))
+    assert set(calls) == set(OWN_WORK_PARTS) | set(SAME_SIGNATURE_PARTS)
+    results = {name: call() for name, call in calls.items()}
+    ours = results["backward_autograd_us"]
+    reference = results["ref_same_signature_backward_us"]
+    assert [t.shape for t in reference] == [t.shape for t in ours] == [x.shape, g.shape, w.shape]
+    assert results["ref_same_signature_forward_us"].shape == results["forward_autograd_us"].shape
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256, 1000])

@@ -20,10 +20,15 @@ def test_host_profile_reports_own_work_from_its_timings():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     values = {name: float(value) for name, value in (line.split() for line in proc.stdout.splitlines())}
     assert {"forward_autograd_us", "backward_autograd_us", "ref_autograd_function_backward_us",
-            "ref_torch_add_us", "validation_us", "own_us", "own_units"} == set(values)
-    own = (values["forward_autograd_us"] + values["backward_autograd_us"]
-           - values["ref_autograd_function_backward_us"])
+            "ref_torch_add_us", "ref_same_signature_forward_us", "ref_same_signature_backward_us",
+            "validation_us", "own_us", "own_units", "same_signature_units"} == set(values)
+    trivial = values["ref_autograd_function_backward_us"]
+    own = values["forward_autograd_us"] + values["backward_autograd_us"] - trivial
     assert values["own_us"] == pytest.approx(own, abs=0.02)  # printed with two decimals
     assert values["own_units"] == pytest.approx(values["own_us"] / values["ref_torch_add_us"],
                                                 rel=0.01)
+    signature = (values["ref_same_signature_forward_us"]
+                 + values["ref_same_signature_backward_us"] - trivial)
+    assert values["same_signature_units"] == pytest.approx(
+        signature / values["ref_torch_add_us"], rel=0.01, abs=0.02)
     assert all(values[name] > 0 for name in ("forward_autograd_us", "ref_torch_add_us"))

@@ -590,9 +590,9 @@ def _as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:
     return buffer.transpose(0, 1) if out_layout == "sbhd" else buffer
 
 
-# The Function's non-tensor arguments travel as one tuple, in this order: each extra argument
-# of torch.autograd.Function.apply costs host time on every call (~0.2 us on the CPU).
-# (eps, zero_centered, out_layout, activation, weight_grad_scale)
+# The Function's non-tensor arguments travel as one tuple, (eps, zero_centered, out_layout,
+# activation, weight_grad_scale): every argument of torch.autograd.Function.apply costs host time
+# on every call.
 Options = tuple[float, bool, str, str, float]
 
 

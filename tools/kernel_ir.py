@@ -184,7 +184,8 @@ def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: 
             "sass_instructions": sass_instructions(compiled.asm["cubin"]),
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "waits_before_loading": waits_before_loading(compiled.asm["ptx"]),
-            "launches_dependents": "griddepcontrol.launch_dependents" in compiled.asm["ptx"]}
+            "launches_dependents": "griddepcontrol.launch_dependents" in compiled.asm["ptx"],
+            "exp2_instructions": sorted(set(re.findall(r"ex2\.approx[.\w]*", compiled.asm["ptx"])))}
 
 
 def waits_before_loading(ptx: str) -> bool:

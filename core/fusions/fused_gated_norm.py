@@ -78,6 +78,8 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 # truncates. Decided once, like triton.jit's own choice between compiling and interpreting.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 _EXACT_BF16_CAST = tl.constexpr(not INTERPRETED)
+# exp(-g) as one flush-to-zero ex2 on the GPU (_exp_neg); the interpreter keeps numpy's exp.
+_EXP2_FTZ = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
@@ -156,8 +158,21 @@ def _dependent_launch_entry(PDL: tl.constexpr):
 
 
 @triton.jit
+def _exp_neg(g):
+    """exp(-g) with the bits of tl.exp(-g) on an NVIDIA GPU, in 2 instructions instead of 6
+    (SASS, sm_90). tl.exp(v) is ex2.approx(v * log2(e)) there: folding the negation into the
+    constant changes no product, and the flush-to-zero ex2 differs only where e < 2^-126, which
+    only ever meets 1 + e (= 1 either way)."""
+    if _EXP2_FTZ:
+        e = tl.exp2(g * -1.4426950408889634)
+    else:
+        e = tl.exp(-g)
+    return e
+
+
+@triton.jit
 def _sigmoid(g):
-    return 1.0 / (1.0 + tl.exp(-g))
+    return 1.0 / (1.0 + _exp_neg(g))
 
 
 @triton.jit
@@ -170,7 +185,7 @@ def _activation(g, ACTIVATION: tl.constexpr):
     if ACTIVATION == "sigmoid":
         act = _sigmoid(g)
     else:
-        act = g / (1.0 + tl.exp(-g))
+        act = g / (1.0 + _exp_neg(g))
     return act
 
 

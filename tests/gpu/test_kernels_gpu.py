@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm
 from tools.bench_common import EPS, capture, make_inputs
@@ -48,6 +50,40 @@ def test_parity_with_the_unfused_path(shape, variant):
         assert bitwise_share(a, b) >= 0.999, name
     dw_err = ((ours[2].float() - theirs[2].float()).norm() / theirs[2].float().norm()).item()
     assert dw_err < 1e-2
+
+
+@triton.jit
+def _exp_mismatches(counts, BLOCK: tl.constexpr):
+    """Per block of fp32 bit patterns g, how many give other bits (NaN equals NaN) in:
+    _exp_neg(g) against tl.exp(-g); the same where tl.exp(-g) >= 2**-126; 1 + each of them."""
+    bits = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+    ours = fgn._exp_neg(g)
+    plain = tl.exp(-g)
+    differ = _differ(ours, plain)
+    out = counts + 3 * tl.program_id(0)
+    tl.store(out, tl.sum(differ.to(tl.int32), axis=0))
+    tl.store(out + 1, tl.sum((differ & (plain >= 1.1754943508222875e-38)).to(tl.int32), axis=0))
+    tl.store(out + 2, tl.sum(_differ(1.0 + ours, 1.0 + plain).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _differ(a, b):
+    both_nan = (a != a) & (b != b)
+    return (a.to(tl.uint32, bitcast=True) != b.to(tl.uint32, bitcast=True)) & ~both_nan
+
+
+def test_gate_exponential_keeps_the_bits_of_tl_exp_for_every_fp32_gate():
+    """_exp_neg (one flush-to-zero ex2) differs from tl.exp(-g) only where exp(-g) < 2**-126;
+    the kernels only use it as 1 + exp(-g), which keeps tl.exp's bits for all 2**32 fp32 gates
+    (docs/numerics.md, The gate activation)."""
+    block = 1 << 14
+    counts = torch.empty((1 << 32) // block, 3, dtype=torch.int32, device="cuda")
+    _exp_mismatches[(counts.shape[0],)](counts, BLOCK=block)
+    differ, differ_above_subnormals, one_plus_differ = counts.sum(0).tolist()
+    assert differ > 0  # the flush-to-zero ex2 is in use: the exps do differ, on subnormals
+    assert differ_above_subnormals == 0
+    assert one_plus_differ == 0
 
 
 def test_differences_come_from_the_order_of_the_sum_of_squares():

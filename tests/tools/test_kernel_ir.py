@@ -57,6 +57,15 @@ def test_d256_forward_blocks_lay_rows_out_alike():
     assert layouts(kernel_ir(*blocks, "--unaligned")) == [(1, 32, 4)] * 2
 
 
+def test_d256_backward_blocks_lay_two_byte_rows_out_alike():
+    # gated_norm_launch's swept D = 256 backward block (2 rows x 1 warp, 16 elements per thread)
+    # and the rule's (2 x 2): the same layout along a bf16 row, so dx and dgate keep their bits;
+    # an fp32 row spans two warps in the rule's block and one in the swept one (another order).
+    blocks = ("--kernel", "bwd", "--dim", "256", "--bt", "2", "--warps", "2", "--bt", "2", "--warps", "1")
+    assert layouts(kernel_ir(*blocks)) == [(8, 32, 1)] * 2
+    assert layouts(kernel_ir(*blocks, "--dtype", "fp32")) == [(4, 32, 2), (4, 32, 1)]
+
+
 def test_kernels_launched_early_wait_for_the_previous_kernel_before_loading():
     # Under the H200's rules the forward and the backward's dW sum are launched with
     # programmatic dependent launch, so each must wait for the previous kernel's writes before

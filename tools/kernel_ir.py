@@ -8,7 +8,8 @@ Each ``--bt``/``--warps`` pair is one launch configuration; the arguments are ex
 ``forward_impl`` / ``backward_impl`` pass (their launch is recorded, not run). ``row_layout`` is
 the reduction operand's layout along the row (sizePerThread, threadsPerWarp, warpsPerCTA of the
 last axis): it decides the order of a row's fp32 sum of squares, so two configurations with the
-same row layout give every row the same bits (docs/design.md, Launch choices). ``--unaligned`` offsets
+same row layout give every row the same bits (docs/design.md, Launch choices).
+``exp2_instructions``: the PTX ``ex2`` forms the gate activation compiles to. ``--unaligned`` offsets
 every [B, S, H, D] tensor by one element (no 16-byte alignment). Uses Triton internals
 (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
 """

@@ -1,7 +1,7 @@
 """The training kernels on a CUDA GPU, at the sizes a model runs: parity with the unfused path,
-64-bit offsets past 2**31 elements, repeatable bits, launch blocks that lay a row out alike,
-CUDA-graph capture, torch.compile with inductor, and no recompilation when only the token
-count changes. The same properties at small sizes run on the CPU in tests/fusions (Triton
+the gate's exp against tl.exp on every fp32 value, 64-bit offsets past 2**31 elements,
+repeatable bits, launch blocks that lay a row out alike, CUDA-graph capture, torch.compile with
+inductor, and no recompilation when only the token count changes. The same properties at small sizes run on the CPU in tests/fusions (Triton
 interpreter); what is here needs the GPU's compiler, memory or CUDA graphs."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _differ(a, b):
 def test_gate_exponential_keeps_the_bits_of_tl_exp_for_every_fp32_gate():
     """_exp_neg (one flush-to-zero ex2) differs from tl.exp(-g) only where exp(-g) < 2**-126;
     the kernels only use it as 1 + exp(-g), which keeps tl.exp's bits for all 2**32 fp32 gates
-    (docs/numerics.md, The gate activation)."""
+    (docs/numerics.md, The gate activation's exp)."""
     block = 1 << 14
     counts = torch.empty((1 << 32) // block, 3, dtype=torch.int32, device="cuda")
     _exp_mismatches[(counts.shape[0],)](counts, BLOCK=block)

@@ -82,7 +82,7 @@ def test_kernels_launched_early_wait_for_the_previous_kernel_before_loading():
 
 def test_gate_exponential_is_one_flush_to_zero_ex2():
     # _exp_neg: exp(-g) as ex2.approx.ftz of g * -log2(e), the bits of tl.exp(-g) without its
-    # negation and subnormal fix-up (docs/numerics.md, The gate activation).
+    # negation and subnormal fix-up (docs/numerics.md, The gate activation's exp).
     for kernel in ("fwd", "bwd"):
         (report,) = kernel_ir("--kernel", kernel, "--dim", "128", "--bt", "4", "--warps", "2")
         assert report["exp2_instructions"] == ["ex2.approx.ftz.f32"], report

@@ -594,7 +594,7 @@ def _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation)
     "bshd", [S, B, H, D] for "sbhd"); returns ``(buffer, rstd)``."""
     if out_layout == "sbhd":
         batch, seq, heads, dim = x.shape
-        buffer = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
+        buffer = x.new_empty((seq, batch, heads, dim))  # cheaper than torch.empty(..., device=)
         _, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=buffer.transpose(0, 1),
                                activation=activation)
         return buffer, rstd

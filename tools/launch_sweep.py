@@ -1,8 +1,9 @@
 """Sweep of the launch parameters of both training kernels (rows per block, warps; forward:
 programmatic dependent launch on or off; backward: programs per SM and pipeline stages, and the
 shipped launch with its dW sum launched early or as usual), GPU time in CUDA graphs, with the
-shipped launch of each kernel timed in the same run, and the backward's dW partial sum against
-torch's.
+shipped launch of each kernel timed in the same run. Per shape it also splits the shipped
+backward: its row kernel alone, its dW sum alone (and torch's sum of the same partials), next to
+the kernel that moves the same bytes (``backward_parts``; docs/design.md, Small row counts).
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--out DIR]   # -> DIR/launch_sweep.json
 
@@ -22,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from tools.bench_common import (DTYPE, EPS, bench_graph, bytes_moved, copy_ceiling,  # noqa: E402
+from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # noqa: E402
                                 environment, log, make_inputs, parse_shape, pct_of_ceiling,
-                                require_cuda, write_json)
+                                require_cuda, same_bytes_copy_us, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
-DEFAULT_SHAPES = "1x4096x4x128,1x4096x8x128,1x4096x32x128,1x4096x8x256"
+DEFAULT_SHAPES = "1x4096x4x128,1x4096x8x128,1x4096x16x128,1x4096x32x128,1x4096x8x256"
 WARPS = (1, 2, 4, 8)
 BLOCK_ELEMENTS = (512, 1024, 2048)
 PROGRAMS_PER_SM = (4, 8, 16)
@@ -90,13 +91,36 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
                                                         programs=sms * per_sm, stages=stages),
                       bt=bt, warps=warps, per_sm=per_sm, stages=stages,
                       dw_sum_pdl=bwd_cfg.dw_sum_pdl)
-    # The backward's tail: the fixed-order sum of the per-program dW partials, rounded to the
-    # weight's dtype, by the project's kernel and by torch (sum + cast).
-    partial = torch.zeros(bwd_cfg.max_programs, shape[3], device=x.device)
-    results.append({"kernel": "dw_sum", "shape": shape, "programs": bwd_cfg.max_programs,
-                    "us": bench_graph(lambda: fgn.sum_dw_partials(partial, DTYPE, bwd_cfg)),
-                    "torch_us": bench_graph(lambda: partial.sum(0).to(DTYPE))})
+    results.append({"kernel": "backward_parts", "shape": shape, "programs": bwd_cfg.max_programs,
+                    **backward_parts(x, g, w, rstd, dy)})
     return results
+
+
+def backward_parts(x, g, w, rstd, dy) -> dict:
+    """Where the shipped backward's time goes, medians over ALTERNATIONS of the parts timed in
+    turn: the whole backward, its row kernel alone (the same launch without the dW sum after
+    it), its dW sum alone (the fixed-order sum of the row kernel's per-program fp32 partials,
+    rounded to the weight's dtype), torch's ``sum(0).to(dtype)`` of the same partials, and the
+    kernel that moves the backward's bytes (``same_bytes_copy``)."""
+    plan = fgn._backward_plan(x, g, w, dy, False, "silu", None, None, None, None, 1.0, None)
+    dx, dgate = torch.empty_like(x), torch.empty_like(g)
+    partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
+    dweight = torch.empty_like(w)
+    row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
+    fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)  # partials to sum
+    parts = {
+        "backward_us": lambda: fgn.backward_impl(x, g, w, rstd, dy),
+        "row_kernel_us": lambda: fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch),
+        "dw_sum_us": lambda: fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight),
+                                                      plan.dw_sum),
+        "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
+    }
+    times = {name: [] for name in (*parts, "same_bytes_copy_us")}
+    for _ in range(ALTERNATIONS):
+        for name, fn in parts.items():
+            times[name].append(bench_graph(fn))
+        times["same_bytes_copy_us"].append(same_bytes_copy_us(tuple(x.shape))["bwd"])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def describe(r: dict) -> str:
@@ -134,6 +158,11 @@ def main(argv=None) -> None:
         write_json(results, args.out, "launch_sweep.json")
     for line in best_lines(results["sweep"]):
         log(line)
+    log("shape | backward | row kernel | dW sum | same-bytes copy (us)")
+    for r in results["sweep"]:
+        if r["kernel"] == "backward_parts":
+            log(f"{'x'.join(map(str, r['shape']))} | {r['backward_us']:.2f} | "
+                f"{r['row_kernel_us']:.2f} | {r['dw_sum_us']:.2f} | {r['same_bytes_copy_us']:.2f}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
 # Block shapes from H200 sweeps (bf16; tools/launch_sweep.py, tools/forward_variants.py; the
 # numbers are in docs/design.md, Launch choices). Forward: 2048 elements per program, 8 per thread
 # up to 128 elements per row and 16 beyond. Backward: 512 elements per loop iteration, 8 per
-# thread (16 at 256), 3 pipeline stages, 8 persistent programs per SM.
+# thread (16, one warp, at 128 and 256), 3 pipeline stages, 8 persistent programs per SM.
 # Neither depends on the row count (only the grid does): a row's fp32 reduction tree follows its
 # layout along the row, so a rows-dependent block could give a token other bits in another batch
 # (test_rows_get_the_same_bits_in_any_batch), and a new token count never compiles a new kernel.
@@ -79,9 +79,10 @@ FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 12
 # lays a row out as the rule's 8 x 4 does (tools/kernel_ir.py), so no bit changes.
 FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
-# At 256, 2 rows x 1 warp (16 elements per thread): a bf16/fp16 row is laid out as in the rule's
-# 2 x 2 (no bit moves), 2-5 % faster at 32k-262k rows; fp32 rows get another fixed order.
-BACKWARD_SWEPT_BLOCKS = {256: (2, 1)}
+# One warp (16 elements per thread) at 128 and 256: a row is still laid out as in the rule's
+# 2-warp block (tools/kernel_ir.py), so dx and dgate keep their bits (at 256, fp32 rows get
+# another fixed order); 2-5 % faster at 16k-1M rows of 128 and 32k-262k of 256.
+BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
 

@@ -34,7 +34,7 @@ def test_h200_parameters(h200):
     assert launch.forward_launch(200, GPU) == forward(bt=4, warps=4, block_d=256)
     assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
     assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
-        bt=4, warps=2, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
+        bt=4, warps=1, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
         dw_sum_warps=8, dw_sum_pdl=True)
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 1, 4)
@@ -46,7 +46,8 @@ def test_backward_blocks_keep_the_row_layout_of_wider_ones(h200, dim):
     """The backward's block keeps 8 elements per thread, so a row is laid out along the lanes
     exactly as in the wider blocks swept against it (tools/kernel_ir.py checks the compiled
     layout): a launch-rule change moves no dx bit of a row relative to those blocks. The swept
-    block at 256 takes 16, which lays a 2-byte row out alike (tests/tools/test_kernel_ir.py)."""
+    one-warp blocks at 128 and 256 take 16, which lay a row out alike (at 256 a 2-byte row;
+    tests/tools/test_kernel_ir.py)."""
     cfg = launch.backward_launch(dim, GPU)
     assert cfg.bt * cfg.block_d == launch.BACKWARD_ELEMENTS_PER_BLOCK
     per_thread = 16 if dim in launch.BACKWARD_SWEPT_BLOCKS else launch.BACKWARD_ELEMENTS_PER_THREAD

@@ -192,13 +192,14 @@ def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(got, without))
 
 
-@pytest.mark.parametrize("shape, block, other", [((1, 8192, 16, 128), (4, 2), (8, 4)),
+@pytest.mark.parametrize("shape, block, other", [((1, 8192, 16, 128), (4, 1), (4, 2)),
+                                                 ((1, 8192, 16, 128), (4, 1), (8, 4)),
                                                  ((1, 4096, 16, 256), (2, 1), (2, 2))])
 def test_backward_blocks_with_the_same_row_layout_give_dx_the_same_bits(shape, block, other):
-    """The backward's block against another with the same layout along a bf16 row
-    (tests/tools/test_kernel_ir.py): D = 128, 512 elements with 2 warps against the former
-    1024-element, 4-warp block; D = 256, the swept 2 rows x 1 warp against the rule's 2 x 2. dx
-    and dgate keep their bits; dW sums other per-program partials, within fp32 rounding."""
+    """The backward's block against others with the same layout along a bf16 row
+    (tests/tools/test_kernel_ir.py): D = 128, the swept 4 rows x 1 warp against the rule's 4 x 2
+    and the former 8 x 4; D = 256, the swept 2 rows x 1 warp against the rule's 2 x 2. dx and
+    dgate keep their bits; dW sums other per-program partials, within fp32 rounding."""
     x, gate, weight, dy, _ = make_inputs(shape)
     x, gate, weight = x.detach(), gate.detach(), weight.detach()
     _, rstd = fgn.forward_impl(x, gate, weight, EPS)

@@ -57,6 +57,16 @@ def test_d256_forward_blocks_lay_rows_out_alike():
     assert layouts(kernel_ir(*blocks, "--unaligned")) == [(1, 32, 4)] * 2
 
 
+def test_d128_backward_blocks_lay_rows_out_alike():
+    # gated_norm_launch's swept D = 128 backward block (4 rows x 1 warp, 16 elements per thread)
+    # and the rule's (4 x 2, 8 per thread): a row takes 16-byte vectors over 16 (2-byte dtypes)
+    # or 32 lanes (fp32) of one warp in both, aligned or not, so dx and dgate keep their bits.
+    blocks = ("--kernel", "bwd", "--dim", "128", "--bt", "4", "--warps", "2", "--bt", "4", "--warps", "1")
+    assert layouts(kernel_ir(*blocks)) == [(8, 16, 1)] * 2
+    assert layouts(kernel_ir(*blocks, "--unaligned")) == [(8, 16, 1)] * 2
+    assert layouts(kernel_ir(*blocks, "--dtype", "fp32")) == [(4, 32, 1)] * 2
+
+
 def test_d256_backward_blocks_lay_two_byte_rows_out_alike():
     # gated_norm_launch's swept D = 256 backward block (2 rows x 1 warp, 16 elements per thread)
     # and the rule's (2 x 2): the same layout along a bf16 row, so dx and dgate keep their bits;

@@ -146,14 +146,16 @@ def _round_to(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _dependent_launch_entry(PDL: tl.constexpr):
-    """First step of a kernel launched with programmatic dependent launch (PDL, sm_90+; see
-    gated_norm_launch): wait until the previous kernel in the stream has finished and its writes
-    are visible (before any load, the weight included: an optimizer step may just have written
-    it), then let the next kernel start launching. A kernel that starts early this way waits the
-    same way before it reads anything, so it never sees a partial result of this one."""
+def _dependent_launch_entry(PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+    """First step of a kernel that takes part in programmatic dependent launch (sm_90+; see
+    gated_norm_launch). PDL (launched early): wait until the previous kernel in the stream has
+    finished and its writes are visible, before any load (the weight included: an optimizer step
+    may just have written it). LAUNCH_DEPENDENTS: then let the next kernel start launching. A
+    kernel that starts early this way waits the same way before it reads anything, so it never
+    sees a partial result of this one."""
     if PDL:
         gdc_wait()
+    if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
 
 
@@ -219,7 +221,7 @@ def gated_norm_fwd(
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only). PDL: launched with
     programmatic dependent launch (_dependent_launch_entry)."""
-    _dependent_launch_entry(PDL)
+    _dependent_launch_entry(PDL, PDL)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
     w = _load_weight(weight, cols, col_mask, ZERO_CENTERED)
@@ -308,7 +310,8 @@ def gated_norm_bwd(
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr = False,
+                      LAUNCH_DEPENDENTS: tl.constexpr = False):
     """``dweight = round(WEIGHT_GRAD_SCALE * sum_p dw_partial[p])``: program c sums columns
     [c * BLOCK_COLS, ...) of the [PROGRAMS, D] fp32 partials in one load and one fixed tree (the
     same bits every run), scales the fp32 sum and rounds once to the weight's dtype, so a power
@@ -316,8 +319,9 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
     (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
     most partials any launch can have, so the token count never changes it. torch's
     ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows.
-    PDL: launched with programmatic dependent launch (_dependent_launch_entry)."""
-    _dependent_launch_entry(PDL)
+    PDL: launched with programmatic dependent launch; LAUNCH_DEPENDENTS: lets the next kernel
+    launch early (_dependent_launch_entry)."""
+    _dependent_launch_entry(PDL, LAUNCH_DEPENDENTS)
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     parts = tl.arange(0, BLOCK_P)
     mask = (parts[:, None] < PROGRAMS) & (cols[None, :] < D)
@@ -569,7 +573,8 @@ def _dw_sum_launch(programs: int, dim: int, dtype: torch.dtype, cfg: BackwardLau
     block_p = next_power_of_2(max(programs, cfg.max_programs))
     return cdiv(dim, cfg.dw_sum_columns), launch_dw_sum.prepare(
         (torch.float32, dtype),
-        (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns, cfg.dw_sum_pdl),
+        (programs, weight_grad_scale, dim, block_p, cfg.dw_sum_columns, cfg.dw_sum_pdl,
+         cfg.dw_sum_pdl or cfg.dw_sum_dependents),
         cfg.dw_sum_warps, cfg.dw_sum_pdl)
 
 

@@ -38,6 +38,9 @@ class BackwardLaunch(NamedTuple):
     # The dW sum launched with programmatic dependent launch, the backward kernel letting it
     # launch once its row loops are done (DW_SUM_PDL below).
     dw_sum_pdl: bool = False
+    # The dW sum letting the kernel after it start launching as soon as it starts itself, so
+    # that a kernel launched early (the next forward) overlaps its launch with it.
+    dw_sum_dependents: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +54,8 @@ def sm_count(device: torch.device) -> int:
 # drains and waits for its writes before its first load; a share of the time between kernels
 # that matters at the row counts of TP 4-8 ranks (16k rows: 4.3 -> 3.7 us). Bits do not change.
 # The backward kernel itself launches as usual (launched early it was 30-70 % slower in CUDA
-# graphs); its dW sum launches early (DW_SUM_PDL). docs/design.md, Small row counts.
+# graphs) and so does its dW sum (DW_SUM_PDL), which lets the next kernel launch early.
+# docs/design.md, Small row counts.
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
@@ -93,10 +97,11 @@ BACKWARD_STAGES = 3
 DW_SUM_PROGRAMS = 64
 DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
-# The dW sum with programmatic dependent launch: the backward kernel lets it launch once a
-# program's row loop is done; it waits for the backward's completion before reading a partial
-# (16k rows: 10.1 -> 9.9 us for the backward alone). Bits do not change.
-DW_SUM_PDL = True
+# The dW sum with programmatic dependent launch (the backward kernel letting it launch once a
+# program's row loop is done, the dW sum waiting for the backward's completion before reading a
+# partial): faster with the 2-warp D = 128 block (16k rows: 10.1 -> 9.9 us for the backward
+# alone), slower with the one-warp blocks (8.8 -> 9.0-9.1 us). Bits do not change either way.
+DW_SUM_PDL = False
 
 
 # CPU (Triton interpreter): every program is emulated in Python with numpy over whole blocks, so
@@ -160,4 +165,5 @@ def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
     return BackwardLaunch(bt, warps, block_d,
                           sm_count(device) * BACKWARD_PROGRAMS_PER_SM, BACKWARD_STAGES,
                           dw_sum_columns, DW_SUM_WARPS,
-                          DW_SUM_PDL and programmatic_dependent_launch(device))
+                          DW_SUM_PDL and programmatic_dependent_launch(device),
+                          programmatic_dependent_launch(device))

@@ -70,11 +70,11 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     fwd_cfg, bwd_cfg = fgn.forward_launch(shape[3], x.device), fgn.backward_launch(shape[3], x.device)
     timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
           warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
-    # The shipped backward, and the same with its dW sum launched as usual: a difference of a
-    # few tenths of a us, so the two are timed in turn, ALTERNATIONS times each (median).
+    # The shipped backward with its dW sum launched early and as usual: a difference of a few
+    # tenths of a us, so the two are timed in turn, ALTERNATIONS times each (median).
     shipped_bwd = dict(bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
                        stages=bwd_cfg.stages)
-    pairs = {flag: [] for flag in dict.fromkeys((bwd_cfg.dw_sum_pdl, False))}
+    pairs = {flag: [] for flag in (True, False)}
     for _ in range(ALTERNATIONS):
         for flag, times in pairs.items():
             times.append(bench_graph(lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=flag)))

@@ -35,7 +35,7 @@ def test_h200_parameters(h200):
     assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
     assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
         bt=4, warps=1, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
-        dw_sum_warps=8, dw_sum_pdl=True)
+        dw_sum_warps=8, dw_sum_pdl=False, dw_sum_dependents=True)
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 1, 4)
     assert launch.backward_launch(200, GPU)[:3] == (2, 1, 256)
@@ -84,7 +84,9 @@ def test_interpreter_parameters():
     assert launch.forward_launch(64, cpu).bt * 64 == launch.INTERPRETER_ELEMENTS_PER_BLOCK
     assert launch.backward_launch(64, cpu).max_programs == launch.INTERPRETER_PROGRAMS
     # griddepcontrol is PTX: the interpreter launches nothing early
-    assert not launch.forward_launch(64, cpu).pdl and not launch.backward_launch(64, cpu).dw_sum_pdl
+    backward = launch.backward_launch(64, cpu)
+    assert not launch.forward_launch(64, cpu).pdl
+    assert not backward.dw_sum_pdl and not backward.dw_sum_dependents
 
 
 def test_host_integer_helpers_match_triton():

@@ -77,17 +77,19 @@ def test_d256_backward_blocks_lay_two_byte_rows_out_alike():
 
 
 def test_kernels_launched_early_wait_for_the_previous_kernel_before_loading():
-    # Under the H200's rules the forward and the backward's dW sum are launched with
-    # programmatic dependent launch, so each must wait for the previous kernel's writes before
-    # its first global load (the dW sum reads the partials the backward kernel has just written);
-    # the backward kernel is launched as usual and lets the dW sum launch early.
+    # Under the H200's rules the forward is launched with programmatic dependent launch, so it
+    # must wait for the previous kernel's writes before its first global load, and it lets the
+    # next kernel launch early. The backward kernel and its dW sum are launched as usual: they
+    # wait for nothing (stream order does it) and only the dW sum, the backward's last kernel,
+    # lets the next kernel launch early.
     (fwd,) = kernel_ir("--kernel", "fwd", "--dim", "128", "--bt", "16", "--warps", "8")
-    assert fwd["launch_pdl"] and fwd["waits_before_loading"], fwd
-    (bwd,) = kernel_ir("--kernel", "bwd", "--dim", "128", "--bt", "4", "--warps", "2")
+    assert fwd["launch_pdl"] and fwd["waits_before_loading"] and fwd["launches_dependents"], fwd
+    (bwd,) = kernel_ir("--kernel", "bwd", "--dim", "128", "--bt", "4", "--warps", "1")
     assert not bwd["launch_pdl"] and not bwd["waits_before_loading"], bwd
-    assert bwd["launches_dependents"], bwd
-    (dw_sum,) = kernel_ir("--kernel", "dw_sum", "--dim", "128", "--bt", "4", "--warps", "2")
-    assert dw_sum["launch_pdl"] and dw_sum["waits_before_loading"], dw_sum
+    assert not bwd["launches_dependents"], bwd
+    (dw_sum,) = kernel_ir("--kernel", "dw_sum", "--dim", "128", "--bt", "4", "--warps", "1")
+    assert not dw_sum["launch_pdl"] and not dw_sum["waits_before_loading"], dw_sum
+    assert dw_sum["launches_dependents"], dw_sum
 
 
 def test_gate_exponential_is_one_flush_to_zero_ex2():

@@ -99,8 +99,8 @@ DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
 # The dW sum with programmatic dependent launch (the backward kernel letting it launch once a
 # program's row loop is done, the dW sum waiting for the backward's completion before reading a
-# partial): faster with the 2-warp D = 128 block (16k rows: 10.1 -> 9.9 us for the backward
-# alone), slower with the one-warp blocks (8.8 -> 9.0-9.1 us). Bits do not change either way.
+# partial): off. It saved 0.2 us with the 2-warp D = 128 block and costs 0.2-0.35 us with the
+# one-warp blocks (16k rows, backward alone: 9.1 us early, 8.8 as usual). Bits do not change.
 DW_SUM_PDL = False
 
 

@@ -61,9 +61,9 @@ PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 @functools.lru_cache(maxsize=None)
 def programmatic_dependent_launch(device: torch.device) -> bool:
-    """Whether the kernels that take it (the forward, the backward's dW sum) are launched on
-    ``device`` with programmatic dependent launch: NVIDIA sm_90+ (griddepcontrol is PTX: not for
-    the interpreter, nor for ROCm, whose devices also report a capability)."""
+    """Whether ``device`` takes programmatic dependent launch (the forward launched early; the
+    forward and the dW sum letting the next kernel launch early): NVIDIA sm_90+ (griddepcontrol
+    is PTX: not for the interpreter, nor for ROCm, whose devices also report a capability)."""
     return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

@@ -90,6 +90,15 @@ def test_kernels_launched_early_wait_for_the_previous_kernel_before_loading():
     (dw_sum,) = kernel_ir("--kernel", "dw_sum", "--dim", "128", "--bt", "4", "--warps", "1")
     assert not dw_sum["launch_pdl"] and not dw_sum["waits_before_loading"], dw_sum
     assert dw_sum["launches_dependents"], dw_sum
+    # The dW sum launched early instead (DW_SUM_PDL, backward_impl(dw_sum_pdl=True)): the
+    # backward's programs let it launch once their row loops are done, and it waits for their
+    # partials before its first load.
+    early = ("--dim", "128", "--bt", "4", "--warps", "1", "--dw-sum-early")
+    (bwd,) = kernel_ir("--kernel", "bwd", *early)
+    assert not bwd["launch_pdl"] and bwd["launches_dependents"], bwd
+    (dw_sum,) = kernel_ir("--kernel", "dw_sum", *early)
+    assert dw_sum["launch_pdl"] and dw_sum["waits_before_loading"], dw_sum
+    assert dw_sum["launches_dependents"], dw_sum
 
 
 def test_gate_exponential_is_one_flush_to_zero_ex2():

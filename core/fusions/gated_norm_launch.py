@@ -85,7 +85,7 @@ FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
 # One warp (16 elements per thread) at 128 and 256: a row is still laid out as in the rule's
 # 2-warp block (tools/kernel_ir.py), so dx and dgate keep their bits (at 256, fp32 rows get
-# another fixed order); 2-5 % faster at 16k-1M rows of 128 and 32k-262k of 256.
+# another fixed order); 1-5 % faster at 16k-1M rows of 128, 2-5 % at 32k-262k of 256.
 BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3

@@ -142,12 +142,17 @@ def same_bytes_copy(tensors: tuple, backward: bool) -> None:
                                                           num_warps=SAME_BYTES_WARPS)
 
 
+def same_bytes_tensors(shape, device=None) -> tuple:
+    """The five flat bf16 tensors ``same_bytes_copy`` takes, of a [B, S, H, D] shape's size."""
+    n = shape[0] * shape[1] * shape[2] * shape[3]
+    return tuple(torch.randn(n, device=device or DEVICE, dtype=DTYPE) for _ in range(5))
+
+
 def same_bytes_copy_us(shape) -> dict:
     """GPU time (``bench_graph``) of a kernel that moves a [B, S, H, D] bf16 shape's element bytes
     of each phase with no arithmetic but one add (rstd's 4 bytes per row aside): what a kernel
     can reach at this size in this harness."""
-    n = shape[0] * shape[1] * shape[2] * shape[3]
-    tensors = tuple(torch.randn(n, device=DEVICE, dtype=DTYPE) for _ in range(5))
+    tensors = same_bytes_tensors(shape)
     return {phase: bench_graph(lambda backward=backward: same_bytes_copy(tensors, backward))
             for phase, backward in (("fwd", False), ("bwd", True))}
 

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 
 from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # noqa: E402
                                 environment, log, make_inputs, parse_shape, pct_of_ceiling,
-                                require_cuda, same_bytes_copy_us, write_json)
+                                require_cuda, same_bytes_copy, same_bytes_tensors, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
@@ -97,29 +97,31 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
 
 
 def backward_parts(x, g, w, rstd, dy) -> dict:
-    """Where the shipped backward's time goes, medians over ALTERNATIONS of the parts timed in
-    turn: the whole backward, its row kernel alone (the same launch without the dW sum after
-    it), its dW sum alone (the fixed-order sum of the row kernel's per-program fp32 partials,
-    rounded to the weight's dtype), torch's ``sum(0).to(dtype)`` of the same partials, and the
-    kernel that moves the backward's bytes (``same_bytes_copy``)."""
-    plan = fgn._backward_plan(x, g, w, dy, False, "silu", None, None, None, None, 1.0, None)
+    """Where the shipped backward's time goes (the whole of it: the pairs of ``sweep_shape``),
+    medians over ALTERNATIONS of the parts timed in turn: its row kernel alone (the same launch
+    without the dW sum after it), its dW sum alone (the fixed-order sum of the row kernel's
+    per-program fp32 partials, rounded to the weight's dtype), torch's ``sum(0).to(dtype)`` of
+    the same partials, and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
+    plan = fgn._backward_plan(x, g, w, dy, zero_centered=False, activation="silu", bt=None,
+                              warps=None, programs=None, stages=None, weight_grad_scale=1.0,
+                              dw_sum_pdl=None)
     dx, dgate = torch.empty_like(x), torch.empty_like(g)
     partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
     dweight = torch.empty_like(w)
     row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
     fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)  # partials to sum
+    copy = same_bytes_tensors(x.shape, x.device)
     parts = {
-        "backward_us": lambda: fgn.backward_impl(x, g, w, rstd, dy),
         "row_kernel_us": lambda: fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch),
         "dw_sum_us": lambda: fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight),
                                                       plan.dw_sum),
         "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
+        "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=True),
     }
-    times = {name: [] for name in (*parts, "same_bytes_copy_us")}
+    times = {name: [] for name in parts}
     for _ in range(ALTERNATIONS):
         for name, fn in parts.items():
             times[name].append(bench_graph(fn))
-        times["same_bytes_copy_us"].append(same_bytes_copy_us(tuple(x.shape))["bwd"])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -159,9 +161,11 @@ def main(argv=None) -> None:
     for line in best_lines(results["sweep"]):
         log(line)
     log("shape | backward | row kernel | dW sum | same-bytes copy (us)")
+    shipped = {tuple(r["shape"]): r["us"] for r in results["sweep"]
+               if r["kernel"] == "bwd" and r.get("shipped")}
     for r in results["sweep"]:
         if r["kernel"] == "backward_parts":
-            log(f"{'x'.join(map(str, r['shape']))} | {r['backward_us']:.2f} | "
+            log(f"{'x'.join(map(str, r['shape']))} | {shipped[tuple(r['shape'])]:.2f} | "
                 f"{r['row_kernel_us']:.2f} | {r['dw_sum_us']:.2f} | {r['same_bytes_copy_us']:.2f}")
 
 

@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
-from tools import benchmark, host_cost
+from tools import benchmark, host_cost, launch_sweep
 from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling,
                                 same_bytes_copy, shape_label)
 from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, HostTimer, measure_inside,
                              own_work_calls, own_work_units, same_signature_units)
-from tools.launch_sweep import ELEMENTS_PER_THREAD, best_lines, candidate_blocks
+from tools.launch_sweep import ALTERNATIONS, ELEMENTS_PER_THREAD, best_lines, candidate_blocks
 from tools.parity_sources import parity_sources
 
 
@@ -153,7 +153,8 @@ def test_sweep_candidates_keep_the_elements_per_thread_in_range(dim):
     low, high = ELEMENTS_PER_THREAD
     assert all(low <= bt * width // (32 * warps) <= high for bt, warps in blocks)
     if dim == 128:
-        assert {(16, 8), (4, 2)} <= set(blocks)  # the shipped forward and backward blocks
+        # the shipped forward and backward blocks, and the backward rule's 2-warp block
+        assert {(16, 8), (4, 1), (4, 2)} <= set(blocks)
 
 
 def test_sweep_best_lines_rank_by_time():
@@ -164,6 +165,40 @@ def test_sweep_best_lines_rank_by_time():
     fwd_line = best_lines(results)[0]
     assert fwd_line.startswith("fwd (1, 8, 2, 128): shipped bt4 w2 pdl 2.5 us")
     assert fwd_line.index("bt16") < fwd_line.index("bt8")
+
+
+def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
+    """backward_parts runs each part (the interpreter runs the kernels) once per alternation,
+    every part before the next alternation, and reports the median of each; the row kernel's
+    partials, summed by the dW sum, give backward_impl's dW."""
+    import core.fusions.fused_gated_norm as fgn
+
+    order = []
+
+    def one_run(fn):  # stands in for bench_graph: runs the part, "times" it by its position
+        fn()
+        order.append(fn)
+        return float(len(order))
+
+    monkeypatch.setattr(launch_sweep, "bench_graph", one_run)
+    x, g, w, dy, _ = make_inputs((1, 8, 2, 64), device="cpu")
+    x, g, w = x.detach(), g.detach(), w.detach()
+    _, rstd = fgn.forward_impl(x, g, w, 1e-6)
+    sums = []
+    summing = fgn.launch_dw_sum.launch
+    monkeypatch.setattr(fgn.launch_dw_sum, "launch",
+                        lambda grid, tensors, prepared: (summing(grid, tensors, prepared),
+                                                         sums.append(tensors[1].clone())))
+    medians = launch_sweep.backward_parts(x, g, w, rstd, dy)
+    names = ("row_kernel_us", "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us")
+    assert tuple(medians) == names
+    assert len(order) == ALTERNATIONS * len(names)
+    middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 4 + i + 1
+    assert medians == {name: float(middle * len(names) + i + 1) for i, name in enumerate(names)}
+    summed = list(sums)  # backward_impl below sums through the same wrapped launch
+    assert len(summed) == ALTERNATIONS
+    dweight = fgn.backward_impl(x, g, w, rstd, dy)[2]
+    assert all(torch.equal(s, dweight) for s in summed)
 
 
 def test_parity_sources_on_the_cpu():

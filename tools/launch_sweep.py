@@ -2,10 +2,12 @@
 programmatic dependent launch on or off; backward: programs per SM and pipeline stages, and the
 shipped launch with its dW sum launched early or as usual), GPU time in CUDA graphs, with the
 shipped launch of each kernel timed in the same run. Per shape it also splits the shipped
-backward: its row kernel alone, its dW sum alone (and torch's sum of the same partials), next to
-the kernel that moves the same bytes (``backward_parts``; docs/design.md, Small row counts).
+backward: its row kernel alone, followed by an empty kernel and by its dW sum, its dW sum alone
+(and torch's sum of the same partials), next to the kernel that moves the same bytes
+(``backward_parts``; docs/design.md, Small row counts).
 
-    python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--out DIR]   # -> DIR/launch_sweep.json
+    python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--programs-per-sm 4,8,16]
+                                 [--stages 1,3] [--out DIR]   # -> DIR/launch_sweep.json
 
 The shipped heuristics (core/fusions/gated_norm_launch.py) are a function of the head dim and
 the SM count only; docs/design.md says why.
@@ -48,7 +50,8 @@ def candidate_blocks(dim: int) -> list[tuple[int, int]]:
             if low <= bt * block_d // (32 * warps) <= high]
 
 
-def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
+def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM,
+                stages_swept=STAGES) -> list[dict]:
     x, g, w, dy, _ = make_inputs(shape)
     x, g, w = x.detach(), g.detach(), w.detach()
     nbytes = bytes_moved(shape)
@@ -85,8 +88,8 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
         for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
             timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),
                   bt=bt, warps=warps, pdl=pdl)
-        for per_sm in PROGRAMS_PER_SM:
-            for stages in STAGES:
+        for per_sm in programs_per_sm:
+            for stages in stages_swept:
                 timed("bwd", lambda: fgn.backward_impl(x, g, w, rstd, dy, bt=bt, warps=warps,
                                                         programs=sms * per_sm, stages=stages),
                       bt=bt, warps=warps, per_sm=per_sm, stages=stages,
@@ -96,12 +99,20 @@ def sweep_shape(shape, ceiling: float, sms: int) -> list[dict]:
     return results
 
 
+@triton.jit
+def _empty_kernel(unused):
+    pass
+
+
 def backward_parts(x, g, w, rstd, dy) -> dict:
     """Where the shipped backward's time goes (the whole of it: the pairs of ``sweep_shape``),
     medians over ALTERNATIONS of the parts timed in turn: its row kernel alone (the same launch
-    without the dW sum after it), its dW sum alone (the fixed-order sum of the row kernel's
-    per-program fp32 partials, rounded to the weight's dtype), torch's ``sum(0).to(dtype)`` of
-    the same partials, and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
+    without the dW sum after it); the row kernel followed by a one-program kernel that does
+    nothing (what a second launch costs) and by its dW sum, both on buffers allocated once (the
+    shipped backward allocates dx and dgate per call, so a graph of its calls cycles through
+    more memory); its dW sum alone (the fixed-order sum of the row kernel's per-program fp32
+    partials, rounded to the weight's dtype); torch's ``sum(0).to(dtype)`` of the same partials;
+    and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
     plan = fgn._backward_plan(x, g, w, dy, zero_centered=False, activation="silu", bt=None,
                               warps=None, programs=None, stages=None, weight_grad_scale=1.0,
                               dw_sum_pdl=None)
@@ -111,10 +122,17 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
     fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)  # partials to sum
     copy = same_bytes_tensors(x.shape, x.device)
+    def row():
+        fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)
+
+    def dw_sum():
+        fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight), plan.dw_sum)
+
     parts = {
-        "row_kernel_us": lambda: fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch),
-        "dw_sum_us": lambda: fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight),
-                                                      plan.dw_sum),
+        "row_kernel_us": row,
+        "row_kernel_then_empty_us": lambda: (row(), _empty_kernel[(1,)](partial)),
+        "row_kernel_then_dw_sum_us": lambda: (row(), dw_sum()),
+        "dw_sum_us": dw_sum,
         "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
         "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=True),
     }
@@ -145,28 +163,44 @@ def best_lines(results: list[dict], top: int = 5) -> list[str]:
     return lines
 
 
+def positive_ints(option: str, text: str) -> tuple[int, ...]:
+    """'4,8,16' -> (4, 8, 16); anything but comma-separated positive integers is an error."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{option} {text!r}: expected comma-separated positive integers")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxSxHxD shapes")
+    parser.add_argument("--programs-per-sm", default=",".join(map(str, PROGRAMS_PER_SM)),
+                        help="backward: comma-separated persistent programs per SM to sweep")
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)),
+                        help="backward: comma-separated pipeline stage counts to sweep")
     parser.add_argument("--out", default="out/benchmark", help="folder for launch_sweep.json")
     args = parser.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    programs_per_sm = positive_ints("--programs-per-sm", args.programs_per_sm)
+    stages = positive_ints("--stages", args.stages)
     require_cuda("launch_sweep.py")
     ceiling = copy_ceiling()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"env": environment(), "ceiling": ceiling, "sweep": []}
     for shape in shapes:
-        results["sweep"] += sweep_shape(shape, ceiling["GBps"], sms)
+        results["sweep"] += sweep_shape(shape, ceiling["GBps"], sms, programs_per_sm, stages)
         write_json(results, args.out, "launch_sweep.json")
     for line in best_lines(results["sweep"]):
         log(line)
-    log("shape | backward | row kernel | dW sum | same-bytes copy (us)")
+    log("shape | backward | row kernel | + empty kernel | + dW sum | dW sum | same-bytes copy (us)")
     shipped = {tuple(r["shape"]): r["us"] for r in results["sweep"]
                if r["kernel"] == "bwd" and r.get("shipped")}
     for r in results["sweep"]:
         if r["kernel"] == "backward_parts":
             log(f"{'x'.join(map(str, r['shape']))} | {shipped[tuple(r['shape'])]:.2f} | "
-                f"{r['row_kernel_us']:.2f} | {r['dw_sum_us']:.2f} | {r['same_bytes_copy_us']:.2f}")
+                f"{r['row_kernel_us']:.2f} | {r['row_kernel_then_empty_us']:.2f} | "
+                f"{r['row_kernel_then_dw_sum_us']:.2f} | {r['dw_sum_us']:.2f} | "
+                f"{r['same_bytes_copy_us']:.2f}")
 
 
 if __name__ == "__main__":

@@ -190,15 +190,27 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
                         lambda grid, tensors, prepared: (summing(grid, tensors, prepared),
                                                          sums.append(tensors[1].clone())))
     medians = launch_sweep.backward_parts(x, g, w, rstd, dy)
-    names = ("row_kernel_us", "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us")
+    names = ("row_kernel_us", "row_kernel_then_empty_us", "row_kernel_then_dw_sum_us",
+             "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us")
     assert tuple(medians) == names
     assert len(order) == ALTERNATIONS * len(names)
-    middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 4 + i + 1
+    middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 6 + i + 1
     assert medians == {name: float(middle * len(names) + i + 1) for i, name in enumerate(names)}
     summed = list(sums)  # backward_impl below sums through the same wrapped launch
-    assert len(summed) == ALTERNATIONS
+    assert len(summed) == 2 * ALTERNATIONS  # after the row kernel, and alone
     dweight = fgn.backward_impl(x, g, w, rstd, dy)[2]
     assert all(torch.equal(s, dweight) for s in summed)
+
+
+@pytest.mark.parametrize("text", ["4,8,16", "12"])
+def test_sweep_options_take_positive_integers(text):
+    assert launch_sweep.positive_ints("--stages", text) == tuple(int(t) for t in text.split(","))
+
+
+@pytest.mark.parametrize("text", ["", "4,,8", "0", "-1", "2.5", "three"])
+def test_sweep_options_reject_anything_else(text):
+    with pytest.raises(ValueError, match="--stages"):
+        launch_sweep.positive_ints("--stages", text)
 
 
 def test_parity_sources_on_the_cpu():

@@ -10,8 +10,8 @@ the reduction operand's layout along the row (sizePerThread, threadsPerWarp, war
 last axis): it decides the order of a row's fp32 sum of squares, so two configurations with the
 same row layout give every row the same bits (docs/design.md, Launch choices).
 ``exp2_instructions``: the PTX ``ex2`` forms the gate activation compiles to. ``--unaligned`` offsets
-every [B, S, H, D] tensor by one element (no 16-byte alignment); ``--dw-sum-early`` launches the
-backward's dW sum early (``backward_impl(dw_sum_pdl=True)``) instead of as usual. Uses Triton internals
+every [B, S, H, D] tensor by one element (no 16-byte alignment); ``--dw-sum-as-usual`` launches
+the backward's dW sum as usual (``backward_impl(dw_sum_pdl=False)``) instead of early. Uses Triton internals
 (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
 """
 
@@ -113,18 +113,18 @@ KERNELS = {"fwd": "gated_norm_fwd", "bwd": "gated_norm_bwd", "dw_sum": "gated_no
 
 
 def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: int,
-                     unaligned: bool = False, dw_sum_early: bool = False) -> tuple[tuple, dict]:
+                     unaligned: bool = False, dw_sum_pdl: bool | None = None) -> tuple[tuple, dict]:
     """The arguments forward_impl (kernel "fwd") or backward_impl ("bwd", and "dw_sum", its
-    second launch, launched early with ``dw_sum_early``) passes to that kernel for a
+    second launch; ``dw_sum_pdl`` as backward_impl takes it) passes to that kernel for a
     [2, 64, 4, dim] input with this block, under the H200's launch rules."""
     shape = (2, 64, 4, dim)
     x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
     weight = torch.ones(dim, dtype=dtype)
     with h200_launch_rules():
-        return _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_early)
+        return _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl)
 
 
-def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_early):
+def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl):
     shape, dtype = x.shape, x.dtype
     if kernel == "fwd":
         with recording(fgn.launch_forward) as launches:
@@ -133,8 +133,7 @@ def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_e
         return launches[0]
     rstd = torch.ones(shape[:3])
     with recording(fgn.launch_backward) as main, recording(fgn.launch_dw_sum) as dw_sum:
-        fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps,
-                          dw_sum_pdl=True if dw_sum_early else None)
+        fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps, dw_sum_pdl=dw_sum_pdl)
     return (dw_sum if kernel == "dw_sum" else main)[0]
 
 
@@ -175,9 +174,9 @@ def sass_instructions(cubin: bytes) -> int:
 
 
 def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: bool,
-             dump: str | None = None, dw_sum_early: bool = False) -> dict:
+             dump: str | None = None, dw_sum_pdl: bool | None = None) -> dict:
     compiled = compile_sm90(kernel, *launch_arguments(kernel, dim, DTYPES[dtype], bt, warps,
-                                                      unaligned, dw_sum_early))
+                                                      unaligned, dw_sum_pdl))
     if dump:
         base = Path(dump) / f"{kernel}_d{dim}_{dtype}_bt{bt}_w{warps}{'_unaligned' if unaligned else ''}"
         base.parent.mkdir(parents=True, exist_ok=True)
@@ -187,17 +186,21 @@ def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: 
             "unaligned": unaligned, "row_layout": row_layouts(compiled.asm["ttgir"]),
             "sass_instructions": sass_instructions(compiled.asm["cubin"]),
             "launch_pdl": bool(compiled.metadata.launch_pdl),
-            "waits_before_loading": waits_before_loading(compiled.asm["ptx"]),
+            "waits_before_loading": before_loading(compiled.asm["ptx"], "griddepcontrol.wait"),
             "launches_dependents": "griddepcontrol.launch_dependents" in compiled.asm["ptx"],
+            "launches_dependents_before_loading": before_loading(
+                compiled.asm["ptx"], "griddepcontrol.launch_dependents"),
             "exp2_instructions": sorted(set(re.findall(r"ex2\.approx[.\w]*", compiled.asm["ptx"])))}
 
 
-def waits_before_loading(ptx: str) -> bool:
-    """Whether the kernel waits for the previous grid (griddepcontrol.wait) before its first load
-    from global memory, as a kernel launched with programmatic dependent launch must."""
-    wait = ptx.find("griddepcontrol.wait")
+def before_loading(ptx: str, instruction: str) -> bool:
+    """Whether ``instruction`` comes before the kernel's first load from global memory:
+    griddepcontrol.wait must, in a kernel launched with programmatic dependent launch;
+    griddepcontrol.launch_dependents there lets the next kernel launch as soon as the program
+    starts."""
+    found = ptx.find(instruction)
     load = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0), default=-1)
-    return wait >= 0 and (load < 0 or wait < load)
+    return found >= 0 and (load < 0 or found < load)
 
 
 def main(argv=None) -> None:
@@ -209,14 +212,15 @@ def main(argv=None) -> None:
     parser.add_argument("--bt", type=int, action="append", required=True)
     parser.add_argument("--warps", type=int, action="append", required=True)
     parser.add_argument("--unaligned", action="store_true")
-    parser.add_argument("--dw-sum-early", action="store_true",
-                        help="the backward's dW sum launched early (programmatic dependent launch)")
+    parser.add_argument("--dw-sum-as-usual", action="store_true",
+                        help="the backward's dW sum launched as usual, not early (programmatic "
+                             "dependent launch)")
     parser.add_argument("--dump", help="folder for the TTGIR and PTX of each configuration")
     args = parser.parse_args(argv)
     if len(args.bt) != len(args.warps):
         parser.error("give one --warps per --bt")
     print(json.dumps([describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned,
-                               args.dump, args.dw_sum_early)
+                               args.dump, False if args.dw_sum_as_usual else None)
                       for bt, warps in zip(args.bt, args.warps)], indent=1))
 
 

@@ -261,13 +261,16 @@ def gated_norm_bwd(
     """Persistent: program p handles row blocks p, p + P, ... and writes its fp32 partial dW to
     ``dw_partial[p]``; gated_norm_dw_sum adds the partials in a fixed order (deterministic, no
     atomics). STAGES: software pipelining of the block loop (the loads of the next blocks are in
-    flight while one is computed). EARLY_DEPENDENTS: once its row loop is done, a program lets
-    the kernel after it (the dW sum, launched with programmatic dependent launch) start launching;
-    that kernel still waits for this one's completion before it reads a partial.
+    flight while one is computed). EARLY_DEPENDENTS: as it starts, a program lets the kernel
+    after it (the dW sum, launched with programmatic dependent launch) launch, so that kernel is
+    resident when this one ends; it still waits for this one's completion before it reads a
+    partial.
 
     Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
     NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
     dx and dgate are written contiguous ``[ROWS, D]``; dy is read in place."""
+    if EARLY_DEPENDENTS:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
@@ -303,8 +306,6 @@ def gated_norm_bwd(
         tl.store((dx + block_start) + tile, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
         tl.store((dgate + block_start) + tile, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE),
                  mask=mask)
-    if EARLY_DEPENDENTS:
-        gdc_launch_dependents()
     tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 

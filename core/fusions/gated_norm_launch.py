@@ -36,7 +36,7 @@ class BackwardLaunch(NamedTuple):
     dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
     dw_sum_warps: int
     # The dW sum launched with programmatic dependent launch, the backward kernel letting it
-    # launch once its row loops are done (DW_SUM_PDL below).
+    # launch as its programs start (DW_SUM_PDL below).
     dw_sum_pdl: bool = False
     # The dW sum letting the kernel after it start launching as soon as it starts itself, so
     # that a kernel launched early (the next forward) overlaps its launch with it.
@@ -52,9 +52,9 @@ def sm_count(device: torch.device) -> int:
 
 # Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
 # drains and waits for its writes before its first load; a share of the time between kernels
-# that matters at the row counts of TP 4-8 ranks (16k rows: 4.3 -> 3.7 us). Bits do not change.
+# that matters at the row counts of TP 4-8 ranks (16k rows: 4.3 -> 3.6 us). Bits do not change.
 # The backward kernel itself launches as usual (launched early it was 30-70 % slower in CUDA
-# graphs) and so does its dW sum (DW_SUM_PDL), which lets the next kernel launch early.
+# graphs); its dW sum is launched early (DW_SUM_PDL) and lets the next kernel launch early.
 # docs/design.md, Small row counts.
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
@@ -97,11 +97,12 @@ BACKWARD_STAGES = 3
 DW_SUM_PROGRAMS = 64
 DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
-# The dW sum with programmatic dependent launch (the backward kernel letting it launch once a
-# program's row loop is done, the dW sum waiting for the backward's completion before reading a
-# partial): off. It saved 0.2 us with the 2-warp D = 128 block and costs 0.2-0.35 us with the
-# one-warp blocks (16k rows, backward alone: 9.1 us early, 8.8 as usual). Bits do not change.
-DW_SUM_PDL = False
+# The dW sum with programmatic dependent launch: the backward's programs let it launch as they
+# start, so it is resident, waiting for the backward's completion (griddepcontrol.wait), when
+# the partials are done, and the time between the two kernels shrinks. Backward alone, 0.3-0.6
+# us faster than the dW sum launched as usual at 16k-128k rows (16k: 8.8 -> 8.2 us); letting it
+# launch only once a program's row loop was done cost 0.2-0.35 us instead. Bits do not change.
+DW_SUM_PDL = True
 
 
 # CPU (Triton interpreter): every program is emulated in Python with numpy over whole blocks, so

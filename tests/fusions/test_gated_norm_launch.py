@@ -35,7 +35,7 @@ def test_h200_parameters(h200):
     assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
     assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
         bt=4, warps=1, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
-        dw_sum_warps=8, dw_sum_pdl=False, dw_sum_dependents=True)
+        dw_sum_warps=8, dw_sum_pdl=True, dw_sum_dependents=True)
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 1, 4)
     assert launch.backward_launch(200, GPU)[:3] == (2, 1, 256)

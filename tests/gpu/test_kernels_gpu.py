@@ -172,8 +172,9 @@ def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch)
     """With programmatic dependent launch the forward may start before the kernel before it
     ends, and waits for its writes before loading: x and the gate come from torch kernels launched
     just before it, several steps run back to back, so a forward also starts while the previous
-    step's dW sum runs. The dW sum launched early too (DW_SUM_PDL, off by default) waits for the
-    backward kernel's partials. With and without PDL, every output has the same bits."""
+    step's dW sum runs. The dW sum, launched early as its backward's programs start (DW_SUM_PDL),
+    waits for their partials; it is also run launched as usual. With and without PDL, every
+    output has the same bits."""
     assert launch_rules.programmatic_dependent_launch(torch.device("cuda"))
     x, gate, weight, dy, _ = make_inputs((1, 4096, 8, 128))
 
@@ -183,10 +184,11 @@ def test_programmatic_dependent_launch_changes_no_bit(launch_rules, monkeypatch)
         out = fgn.fused_gated_norm(*leaves, EPS)
         return (out, *torch.autograd.grad(out, leaves, dy * 0.5))
 
-    with_pdl = [run() for _ in range(3)]
-    monkeypatch.setattr(launch_rules, "DW_SUM_PDL", True)
-    _forget_launch_rules(launch_rules)
     assert launch_rules.backward_launch(128, torch.device("cuda")).dw_sum_pdl
+    with_pdl = [run() for _ in range(3)]
+    monkeypatch.setattr(launch_rules, "DW_SUM_PDL", False)
+    _forget_launch_rules(launch_rules)
+    assert not launch_rules.backward_launch(128, torch.device("cuda")).dw_sum_pdl
     with_pdl += [run() for _ in range(3)]
     monkeypatch.setattr(launch_rules, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
     _forget_launch_rules(launch_rules)

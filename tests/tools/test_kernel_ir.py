@@ -79,25 +79,26 @@ def test_d256_backward_blocks_lay_two_byte_rows_out_alike():
 def test_kernels_launched_early_wait_for_the_previous_kernel_before_loading():
     # Under the H200's rules the forward is launched with programmatic dependent launch, so it
     # must wait for the previous kernel's writes before its first global load, and it lets the
-    # next kernel launch early. The backward kernel and its dW sum are launched as usual: they
-    # wait for nothing (stream order does it) and only the dW sum, the backward's last kernel,
-    # lets the next kernel launch early.
+    # next kernel launch early. The backward kernel is launched as usual (stream order orders
+    # it) and lets its dW sum launch as its programs start, before any load; the dW sum,
+    # launched early, waits for the partials before its first load, then lets the next kernel
+    # launch early.
     (fwd,) = kernel_ir("--kernel", "fwd", "--dim", "128", "--bt", "16", "--warps", "8")
     assert fwd["launch_pdl"] and fwd["waits_before_loading"] and fwd["launches_dependents"], fwd
     (bwd,) = kernel_ir("--kernel", "bwd", "--dim", "128", "--bt", "4", "--warps", "1")
     assert not bwd["launch_pdl"] and not bwd["waits_before_loading"], bwd
-    assert not bwd["launches_dependents"], bwd
+    assert bwd["launches_dependents_before_loading"], bwd
     (dw_sum,) = kernel_ir("--kernel", "dw_sum", "--dim", "128", "--bt", "4", "--warps", "1")
-    assert not dw_sum["launch_pdl"] and not dw_sum["waits_before_loading"], dw_sum
-    assert dw_sum["launches_dependents"], dw_sum
-    # The dW sum launched early instead (DW_SUM_PDL, backward_impl(dw_sum_pdl=True)): the
-    # backward's programs let it launch once their row loops are done, and it waits for their
-    # partials before its first load.
-    early = ("--dim", "128", "--bt", "4", "--warps", "1", "--dw-sum-early")
-    (bwd,) = kernel_ir("--kernel", "bwd", *early)
-    assert not bwd["launch_pdl"] and bwd["launches_dependents"], bwd
-    (dw_sum,) = kernel_ir("--kernel", "dw_sum", *early)
     assert dw_sum["launch_pdl"] and dw_sum["waits_before_loading"], dw_sum
+    assert dw_sum["launches_dependents"], dw_sum
+    # The dW sum launched as usual instead (DW_SUM_PDL off, backward_impl(dw_sum_pdl=False)):
+    # the backward lets nothing launch early and the dW sum waits for nothing (stream order does
+    # it), but still lets the next kernel launch early.
+    usual = ("--dim", "128", "--bt", "4", "--warps", "1", "--dw-sum-as-usual")
+    (bwd,) = kernel_ir("--kernel", "bwd", *usual)
+    assert not bwd["launch_pdl"] and not bwd["launches_dependents"], bwd
+    (dw_sum,) = kernel_ir("--kernel", "dw_sum", *usual)
+    assert not dw_sum["launch_pdl"] and not dw_sum["waits_before_loading"], dw_sum
     assert dw_sum["launches_dependents"], dw_sum
 
 

@@ -33,11 +33,24 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
+def _is_positive_int(text: str) -> bool:
+    return text.isdigit() and int(text) > 0
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int]:
     """'1x4096x32x128' -> (1, 4096, 32, 128): batch, sequence, heads, head dim."""
     parts = text.lower().split("x")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 4 or not all(_is_positive_int(p) for p in parts):
         raise ValueError(f"shape {text!r}: expected BxSxHxD with four positive integers")
+    return tuple(int(p) for p in parts)
+
+
+def parse_positive_ints(option: str, text: str) -> tuple[int, ...]:
+    """'4,8,16' -> (4, 8, 16) for a command-line ``option``; anything but comma-separated
+    positive integers is an error."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(_is_positive_int(p) for p in parts):
+        raise ValueError(f"{option} {text!r}: expected comma-separated positive integers")
     return tuple(int(p) for p in parts)
 
 

@@ -26,8 +26,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # noqa: E402
-                                environment, log, make_inputs, parse_shape, pct_of_ceiling,
-                                require_cuda, same_bytes_copy, same_bytes_tensors, write_json)
+                                environment, log, make_inputs, parse_positive_ints,
+                                parse_shape, pct_of_ceiling, require_cuda, same_bytes_copy,
+                                same_bytes_tensors, shape_label, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 
@@ -120,13 +121,15 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
     dweight = torch.empty_like(w)
     row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
-    fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)  # partials to sum
     copy = same_bytes_tensors(x.shape, x.device)
+
     def row():
         fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)
 
     def dw_sum():
         fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight), plan.dw_sum)
+
+    row()  # partials for the dW sum timed alone
 
     parts = {
         "row_kernel_us": row,
@@ -163,14 +166,6 @@ def best_lines(results: list[dict], top: int = 5) -> list[str]:
     return lines
 
 
-def positive_ints(option: str, text: str) -> tuple[int, ...]:
-    """'4,8,16' -> (4, 8, 16); anything but comma-separated positive integers is an error."""
-    parts = text.split(",")
-    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{option} {text!r}: expected comma-separated positive integers")
-    return tuple(int(p) for p in parts)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxSxHxD shapes")
@@ -181,8 +176,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="out/benchmark", help="folder for launch_sweep.json")
     args = parser.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    programs_per_sm = positive_ints("--programs-per-sm", args.programs_per_sm)
-    stages = positive_ints("--stages", args.stages)
+    programs_per_sm = parse_positive_ints("--programs-per-sm", args.programs_per_sm)
+    stages = parse_positive_ints("--stages", args.stages)
     require_cuda("launch_sweep.py")
     ceiling = copy_ceiling()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -197,7 +192,7 @@ def main(argv=None) -> None:
                if r["kernel"] == "bwd" and r.get("shipped")}
     for r in results["sweep"]:
         if r["kernel"] == "backward_parts":
-            log(f"{'x'.join(map(str, r['shape']))} | {shipped[tuple(r['shape'])]:.2f} | "
+            log(f"{shape_label(r['shape'])} | {shipped[tuple(r['shape'])]:.2f} | "
                 f"{r['row_kernel_us']:.2f} | {r['row_kernel_then_empty_us']:.2f} | "
                 f"{r['row_kernel_then_dw_sum_us']:.2f} | {r['dw_sum_us']:.2f} | "
                 f"{r['same_bytes_copy_us']:.2f}")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tools import benchmark, host_cost, launch_sweep
-from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_shape, pct_of_ceiling,
-                                same_bytes_copy, shape_label)
+from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_positive_ints,
+                                parse_shape, pct_of_ceiling, same_bytes_copy, shape_label)
 from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, HostTimer, measure_inside,
                              own_work_calls, own_work_units, same_signature_units)
 from tools.launch_sweep import ALTERNATIONS, ELEMENTS_PER_THREAD, best_lines, candidate_blocks
@@ -23,6 +23,17 @@ def test_parse_shape():
     for bad in ("1x4096x32", "1x0x32x128", "1x4096x32xD", "-1x2x3x4"):
         with pytest.raises(ValueError, match="BxSxHxD"):
             parse_shape(bad)
+
+
+@pytest.mark.parametrize("text", ["4,8,16", "12"])
+def test_parse_positive_ints(text):
+    assert parse_positive_ints("--stages", text) == tuple(int(t) for t in text.split(","))
+
+
+@pytest.mark.parametrize("text", ["", "4,,8", "0", "-1", "2.5", "three"])
+def test_parse_positive_ints_rejects_anything_else(text):
+    with pytest.raises(ValueError, match="--stages"):
+        parse_positive_ints("--stages", text)
 
 
 def test_shape_label():
@@ -200,17 +211,6 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     assert len(summed) == 2 * ALTERNATIONS  # after the row kernel, and alone
     dweight = fgn.backward_impl(x, g, w, rstd, dy)[2]
     assert all(torch.equal(s, dweight) for s in summed)
-
-
-@pytest.mark.parametrize("text", ["4,8,16", "12"])
-def test_sweep_options_take_positive_integers(text):
-    assert launch_sweep.positive_ints("--stages", text) == tuple(int(t) for t in text.split(","))
-
-
-@pytest.mark.parametrize("text", ["", "4,,8", "0", "-1", "2.5", "three"])
-def test_sweep_options_reject_anything_else(text):
-    with pytest.raises(ValueError, match="--stages"):
-        launch_sweep.positive_ints("--stages", text)
 
 
 def test_parity_sources_on_the_cpu():

@@ -1,10 +1,11 @@
 """Sweep of the launch parameters of both training kernels (rows per block, warps; forward:
 programmatic dependent launch on or off; backward: programs per SM and pipeline stages, and the
 shipped launch with its dW sum launched early or as usual), GPU time in CUDA graphs, with the
-shipped launch of each kernel timed in the same run. Per shape it also splits the shipped
-backward: its row kernel alone, followed by an empty kernel and by its dW sum, its dW sum alone
-(and torch's sum of the same partials), next to the kernel that moves the same bytes
-(``backward_parts``; docs/design.md, Small row counts).
+shipped launch of each kernel timed in the same run. Per shape it also times the shipped forward
+against the same launch into one output allocated once (``forward_parts``), and splits the
+shipped backward: its row kernel alone, followed by an empty kernel and by its dW sum, its dW sum
+alone (and torch's sum of the same partials) (``backward_parts``); both next to the kernel that
+moves the same bytes (docs/design.md, Small row counts).
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--programs-per-sm 4,8,16]
                                  [--stages 1,3] [--out DIR]   # -> DIR/launch_sweep.json
@@ -95,9 +96,34 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
                                                         programs=sms * per_sm, stages=stages),
                       bt=bt, warps=warps, per_sm=per_sm, stages=stages,
                       dw_sum_pdl=bwd_cfg.dw_sum_pdl)
+    results.append({"kernel": "forward_parts", "shape": shape, **forward_parts(x, g, w)})
     results.append({"kernel": "backward_parts", "shape": shape, "programs": bwd_cfg.max_programs,
                     **backward_parts(x, g, w, rstd, dy)})
     return results
+
+
+def medians_in_turn(parts: dict) -> dict:
+    """``name -> median us`` of ``bench_graph`` over ALTERNATIONS rounds, each timing every part
+    in turn (a drift of the GPU's clocks falls on all of them alike)."""
+    times = {name: [] for name in parts}
+    for _ in range(ALTERNATIONS):
+        for name, fn in parts.items():
+            times[name].append(bench_graph(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def forward_parts(x, g, w) -> dict:
+    """The shipped forward, which allocates its output per call (a graph of captured calls keeps
+    one call's output while the next runs, so it cycles through two), against the same launch
+    into one output allocated once, and the kernel that moves the forward's bytes
+    (``same_bytes_copy``, buffers allocated once); medians of the three timed in turn."""
+    out = torch.empty_like(x)
+    copy = same_bytes_tensors(x.shape, x.device)
+    return medians_in_turn({
+        "forward_us": lambda: fgn.forward_impl(x, g, w, EPS),
+        "forward_one_output_us": lambda: fgn.forward_impl(x, g, w, EPS, out=out),
+        "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=False),
+    })
 
 
 @triton.jit
@@ -131,19 +157,14 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
 
     row()  # partials for the dW sum timed alone
 
-    parts = {
+    return medians_in_turn({
         "row_kernel_us": row,
         "row_kernel_then_empty_us": lambda: (row(), _empty_kernel[(1,)](partial)),
         "row_kernel_then_dw_sum_us": lambda: (row(), dw_sum()),
         "dw_sum_us": dw_sum,
         "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
         "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=True),
-    }
-    times = {name: [] for name in parts}
-    for _ in range(ALTERNATIONS):
-        for name, fn in parts.items():
-            times[name].append(bench_graph(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    })
 
 
 def describe(r: dict) -> str:
@@ -187,6 +208,11 @@ def main(argv=None) -> None:
         write_json(results, args.out, "launch_sweep.json")
     for line in best_lines(results["sweep"]):
         log(line)
+    log("shape | forward | forward into one output | same-bytes copy (us)")
+    for r in results["sweep"]:
+        if r["kernel"] == "forward_parts":
+            log(f"{shape_label(r['shape'])} | {r['forward_us']:.2f} | "
+                f"{r['forward_one_output_us']:.2f} | {r['same_bytes_copy_us']:.2f}")
     log("shape | backward | row kernel | + empty kernel | + dW sum | dW sum | same-bytes copy (us)")
     shipped = {tuple(r["shape"]): r["us"] for r in results["sweep"]
                if r["kernel"] == "bwd" and r.get("shipped")}

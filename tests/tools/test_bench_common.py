@@ -178,6 +178,33 @@ def test_sweep_best_lines_rank_by_time():
     assert fwd_line.index("bt16") < fwd_line.index("bt8")
 
 
+def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
+    """forward_parts runs each part once per alternation, every part before the next
+    alternation, and reports the median of each; the launch into the output allocated once
+    writes what the shipped forward returns."""
+    import core.fusions.fused_gated_norm as fgn
+
+    order, outputs = [], []
+
+    def one_run(fn):  # stands in for bench_graph: runs the part, "times" it by its position
+        result = fn()
+        if isinstance(result, tuple):  # forward_impl's (out, rstd)
+            outputs.append(result[0].clone())
+        order.append(fn)
+        return float(len(order))
+
+    monkeypatch.setattr(launch_sweep, "bench_graph", one_run)
+    x, g, w, _, _ = make_inputs((1, 8, 2, 64), device="cpu")
+    medians = launch_sweep.forward_parts(x.detach(), g.detach(), w.detach())
+    names = ("forward_us", "forward_one_output_us", "same_bytes_copy_us")
+    assert tuple(medians) == names
+    assert len(order) == ALTERNATIONS * len(names)
+    middle = ALTERNATIONS // 2
+    assert medians == {name: float(middle * len(names) + i + 1) for i, name in enumerate(names)}
+    assert len(outputs) == 2 * ALTERNATIONS
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
 def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     """backward_parts runs each part (the interpreter runs the kernels) once per alternation,
     every part before the next alternation, and reports the median of each; the row kernel's

@@ -52,7 +52,7 @@ def sm_count(device: torch.device) -> int:
 
 # Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
 # drains and waits for its writes before its first load; a share of the time between kernels
-# that matters at the row counts of TP 4-8 ranks (16k rows: 4.3 -> 3.6 us). Bits do not change.
+# that matters at the row counts of TP 4-8 ranks (16k rows: 4.2 -> 3.6 us). Bits do not change.
 # The backward kernel itself launches as usual (launched early it was 30-70 % slower in CUDA
 # graphs); its dW sum is launched early (DW_SUM_PDL) and lets the next kernel launch early.
 # docs/design.md, Small row counts.
@@ -100,7 +100,7 @@ DW_SUM_WARPS = 8
 # The dW sum with programmatic dependent launch: the backward's programs let it launch as they
 # start, so it is resident, waiting for the backward's completion (griddepcontrol.wait), when
 # the partials are done, and the time between the two kernels shrinks. Backward alone, 0.6-0.7
-# us faster than the dW sum launched as usual at 16k-128k rows (16k: 8.75 -> 8.05 us); letting
+# us faster than the dW sum launched as usual at 16k-128k rows (16k: 8.73 -> 8.03 us); letting
 # it launch only once a program's row loop was done cost 0.2-0.35 us instead. Bits do not change.
 DW_SUM_PDL = True
 

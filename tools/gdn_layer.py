@@ -12,7 +12,8 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
     Qwen3-Next: 32, 8, 4 value heads with 16, 4, 2 key heads, hidden 2048);
   * under megatron's local CUDA graphs (``graphs``, GPU): forward + backward of a GDN
     TransformerLayer (input norm, GDN, MLP) whose forward and backward are captured and replayed,
-    at the same head counts and shapes;
+    at the same head counts and shapes (``--graph-repeats`` layers per flag state, built and
+    captured in alternating order);
   * where the gain comes from: the output-norm section alone, its GPU time per kernel
     (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
 
@@ -349,6 +350,35 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
                 python_norm_calls_per_step=len(norm_calls) / (iters + warmup))
 
 
+GRAPH_REPEATS = 3
+
+
+def measure_graphed_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
+                         repeats: int = GRAPH_REPEATS) -> dict[bool, dict]:
+    """Flag off and on (keys False, True) under megatron's CUDA graphs, ``repeats`` times each
+    (``measure_graphed``: a layer built, captured and replayed ``iters`` steps), the two flags in
+    alternating order (off, on, then on, off, ...): one capture's median moves by a few % from
+    one build to the next. Per flag the median of the repeats' medians; for the flag-on entry
+    also the speed-up of each repeat (its flag-off median over its flag-on median)."""
+    runs = {False: [], True: []}
+    for i in range(repeats):
+        for fused in ((False, True) if i % 2 == 0 else (True, False)):
+            runs[fused].append(measure_graphed(setup, seq, batch, fused, iters))
+    results = {}
+    for fused, measured in runs.items():
+        medians = [r["fwd_bwd_ms_median"] for r in measured]
+        results[fused] = dict(
+            fwd_bwd_ms_median=statistics.median(medians),
+            fwd_bwd_ms_min=min(r["fwd_bwd_ms_min"] for r in measured),
+            fwd_bwd_ms_repeats=medians,
+            graphs_captured=all(r["graphs_captured"] for r in measured),
+            python_norm_calls_per_step=max(r["python_norm_calls_per_step"] for r in measured))
+    results[True]["speedup_repeats"] = [off / on for off, on in
+                                        zip(results[False]["fwd_bwd_ms_repeats"],
+                                            results[True]["fwd_bwd_ms_repeats"])]
+    return results
+
+
 def kernel_group(name: str) -> str:
     """'copies', 'fills' or 'rest' (the norm and gate math) for a profiled kernel name."""
     low = name.lower()
@@ -463,9 +493,11 @@ def summary_lines(results: dict) -> list[str]:
     graphs = results.get("graphs", {})
     for shape, on in ((k[:-3], v) for k, v in graphs.items() if k.endswith(" on")):
         off = graphs[f"{shape} off"]
+        speedups = on.get("speedup_repeats") or [off["fwd_bwd_ms_median"] / on["fwd_bwd_ms_median"]]
         lines.append(f"layer {shape}, megatron CUDA graphs (TransformerLayer): fwd+bwd "
                      f"{off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
-                     f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x), captured "
+                     f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x; per capture "
+                     f"{min(speedups):.3f}-{max(speedups):.3f}x), captured "
                      f"{off['graphs_captured']}/{on['graphs_captured']}, Python norm calls per "
                      f"step {on['python_norm_calls_per_step']:.2f}")
     for b in results.get("breakdown", {}).values():
@@ -542,6 +574,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    parser.add_argument("--graph-repeats", type=int, default=GRAPH_REPEATS,
+                        help="graphs: layers built and captured per flag state, in alternating order")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
     parser.add_argument("--value-heads", type=int, nargs="+", default=None,
@@ -561,6 +595,8 @@ def main(argv=None) -> None:
         torch.distributed.destroy_process_group()
         return
     parts = args.parts.split(",")
+    if args.graph_repeats < 1:
+        parser.error(f"--graph-repeats {args.graph_repeats}: must be >= 1")
     if set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
     if args.cpu:
@@ -624,10 +660,10 @@ def main(argv=None) -> None:
         results["graphs"] = {}
         for h, rank_setup in per_rank.items():
             for seq, batch in perf_shapes:
+                pair = measure_graphed_pair(rank_setup, seq, batch, iters, args.graph_repeats)
                 for fused in (False, True):
-                    results["graphs"][case(h, seq, batch, fused)] = measure_graphed(
-                        rank_setup, seq, batch, fused, iters)
-                    save()
+                    results["graphs"][case(h, seq, batch, fused)] = pair[fused]
+                save()
     if "breakdown" in parts:
         results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)
                                 for seq, batch in shapes}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import tools.gdn_layer as gdn_layer
 from tools.gdn_layer import QWEN3_NEXT, LayerSetup, kernel_group, paired_speedup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,3 +77,25 @@ def test_per_rank_head_counts_of_qwen3_next():
     for bad in (3, 0, 64):
         with pytest.raises(ValueError, match=f"--value-heads {bad}"):
             setup.with_value_heads(bad)
+
+
+def test_graphed_pair_alternates_the_flags_and_takes_medians(monkeypatch):
+    """measure_graphed_pair builds the flag-off and flag-on layers in turn, alternating which
+    goes first, and reports per flag the median of the captures' medians and per capture pair
+    the speed-up."""
+    order = []
+    times = {False: iter([10.0, 12.0, 11.0]), True: iter([8.0, 9.0, 10.0])}
+
+    def measured(setup, seq, batch, fused, iters):  # stands in for one build, capture and replay
+        order.append(fused)
+        ms = next(times[fused])
+        return dict(fwd_bwd_ms_median=ms, fwd_bwd_ms_min=ms - 1, graphs_captured=True,
+                    python_norm_calls_per_step=0.0)
+
+    monkeypatch.setattr(gdn_layer, "measure_graphed", measured)
+    pair = gdn_layer.measure_graphed_pair(LayerSetup("cpu", dict(QWEN3_NEXT)), 64, 1, 2, repeats=3)
+    assert order == [False, True, True, False, False, True]
+    assert pair[False]["fwd_bwd_ms_median"] == 11.0 and pair[True]["fwd_bwd_ms_median"] == 9.0
+    assert pair[False]["fwd_bwd_ms_min"] == 9.0 and pair[True]["fwd_bwd_ms_min"] == 7.0
+    assert pair[True]["speedup_repeats"] == [10 / 8, 12 / 9, 11 / 10]
+    assert pair[True]["graphs_captured"] and pair[True]["python_norm_calls_per_step"] == 0.0

@@ -247,6 +247,12 @@ def step_ms(setup: LayerSetup, fn) -> float:
     return start.elapsed_time(end)
 
 
+def alternating_flags(i: int) -> tuple[bool, bool]:
+    """The flag states in the order round ``i`` measures them: off first in even rounds, on
+    first in odd ones, so that neither always runs after the other."""
+    return (False, True) if i % 2 == 0 else (True, False)
+
+
 def measure_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
                  warmup: int = 3) -> dict[bool, dict]:
     """Flag off and on (keys False, True): forward + backward time of the layer, its peak memory
@@ -277,7 +283,7 @@ def measure_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
     setup.sync()
     times = {False: [], True: []}
     for i in range(iters):
-        for fused in ((False, True) if i % 2 == 0 else (True, False)):
+        for fused in alternating_flags(i):
             times[fused].append(step_ms(setup, steps[fused]))
     for fused, step in steps.items():
         if not setup.cpu:
@@ -362,7 +368,7 @@ def measure_graphed_pair(setup: LayerSetup, seq: int, batch: int, iters: int,
     also the speed-up of each repeat (its flag-off median over its flag-on median)."""
     runs = {False: [], True: []}
     for i in range(repeats):
-        for fused in ((False, True) if i % 2 == 0 else (True, False)):
+        for fused in alternating_flags(i):
             runs[fused].append(measure_graphed(setup, seq, batch, fused, iters))
     results = {}
     for fused, measured in runs.items():

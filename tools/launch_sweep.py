@@ -79,10 +79,9 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
     # tenths of a us, so the two are timed in turn, ALTERNATIONS times each (median).
     shipped_bwd = dict(bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
                        stages=bwd_cfg.stages)
-    pairs = {flag: [] for flag in (True, False)}
-    for _ in range(ALTERNATIONS):
-        for flag, times in pairs.items():
-            times.append(bench_graph(lambda: fgn.backward_impl(x, g, w, rstd, dy, dw_sum_pdl=flag)))
+    pairs = times_in_turn({flag: lambda flag=flag: fgn.backward_impl(x, g, w, rstd, dy,
+                                                                     dw_sum_pdl=flag)
+                           for flag in (True, False)})
     for flag, times in pairs.items():
         record("bwd", statistics.median(times), **shipped_bwd, dw_sum_pdl=flag, runs_us=times,
                shipped=flag == bwd_cfg.dw_sum_pdl)
@@ -102,14 +101,19 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
     return results
 
 
-def medians_in_turn(parts: dict) -> dict:
-    """``name -> median us`` of ``bench_graph`` over ALTERNATIONS rounds, each timing every part
-    in turn (a drift of the GPU's clocks falls on all of them alike)."""
+def times_in_turn(parts: dict) -> dict:
+    """``name -> [us, ...]``: ``bench_graph`` of each part in ALTERNATIONS rounds, each round
+    timing every part in turn (a drift of the GPU's clocks falls on all of them alike)."""
     times = {name: [] for name in parts}
     for _ in range(ALTERNATIONS):
         for name, fn in parts.items():
             times[name].append(bench_graph(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def medians_in_turn(parts: dict) -> dict:
+    """``name -> median us`` of ``times_in_turn``."""
+    return {name: statistics.median(t) for name, t in times_in_turn(parts).items()}
 
 
 def forward_parts(x, g, w) -> dict:

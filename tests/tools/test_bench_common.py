@@ -182,8 +182,6 @@ def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
     """forward_parts runs each part once per alternation, every part before the next
     alternation, and reports the median of each; the launch into the output allocated once
     writes what the shipped forward returns."""
-    import core.fusions.fused_gated_norm as fgn
-
     order, outputs = [], []
 
     def one_run(fn):  # stands in for bench_graph: runs the part, "times" it by its position

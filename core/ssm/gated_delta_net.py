@@ -22,10 +22,14 @@ Both paths (flag on and off) also get:
     ``finalize_model_grads`` would leave that partial unreduced (sequence parallelism off), the
     backward multiplies the weight's gradient by ``tp_size`` inside the autograd graph and the
     weight is tagged ``average_gradients_across_tp_domain``: finalize's AVG over TP then gives
-    the SUM of the partials. Where megatron already reduces it (sequence parallelism on: SUM of
-    ``sequence_parallel`` params), nothing is added. See :func:`megatron_tp_grad_reduction`;
+    the SUM of the partials; a weight that arrives tagged gets the same factor. Where megatron
+    already sums it (sequence parallelism on: SUM of ``sequence_parallel`` params), nothing is
+    added. See :func:`megatron_tp_grad_reduction`;
   * ``gdn_norm_out`` selective recompute without Transformer Engine (see
-    :attr:`GatedDeltaNet.norm_out_checkpoint`).
+    :attr:`GatedDeltaNet.norm_out_checkpoint`);
+  * out_norm's forward pre-hooks run with its weight in place before that weight is read, as a
+    call of out_norm would run them: megatron's DDP with ``overlap_param_gather`` waits there
+    for the weight's all-gather (:func:`run_forward_pre_hooks`).
 """
 
 from __future__ import annotations
@@ -91,6 +95,36 @@ def weight_read_as(module: torch.nn.Module, tensor: torch.Tensor) -> Iterator[No
         yield
     finally:
         slots["weight"] = param
+
+
+def run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
+    """Run the forward pre-hooks that ``module(*args)`` would run (the global ones, then the
+    module's own, in registration order), for a caller that reads ``module``'s parameters without
+    calling it. Megatron's DistributedDataParallel with ``overlap_param_gather`` registers one on
+    every module: it waits for the all-gather of the module's parameters (found through
+    ``module.parameters(recurse=False)``) before they are read.
+
+    The fused path computes the norm and the gate in one kernel, so a hook that replaces the
+    norm's input has nothing to apply to: RuntimeError, instead of silently dropping it."""
+    hooks = module._forward_pre_hooks
+    global_hooks = torch.nn.modules.module._global_forward_pre_hooks
+    if not hooks and not global_hooks:
+        return
+    with_kwargs = module._forward_pre_hooks_with_kwargs
+    for hook_id, hook in (*global_hooks.items(), *hooks.items()):
+        if hook_id in with_kwargs:
+            result = hook(module, args, {})
+            new_args = None if result is None else result[0]
+        else:
+            result = hook(module, args)
+            new_args = result if result is None or isinstance(result, tuple) else (result,)
+        if new_args is not None and (len(new_args) != len(args)
+                                     or any(a is not b for a, b in zip(new_args, args))):
+            raise RuntimeError(
+                f"GatedDeltaNet: a forward pre-hook of out_norm ({hook!r}) replaces the norm's "
+                "input; the fused output norm computes norm and gate in one kernel and cannot "
+                "apply it. Turn fused_gated_norm off for this model."
+            )
 
 
 class _ReductionProbe(torch.Tensor):
@@ -247,9 +281,17 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         weight = getattr(self.out_norm, "weight", None)
         if self.tp_size == 1 or not isinstance(weight, torch.nn.Parameter):
             return 1.0
-        if megatron_tp_grad_reduction(weight, self.config, self.pg_collection.tp) is not None:
+        reduction = megatron_tp_grad_reduction(weight, self.config, self.pg_collection.tp)
+        if reduction == "sum":  # megatron adds the partials itself (sequence parallelism on)
             return 1.0
-        setattr(weight, TP_AVG_TAG, True)
+        if reduction is None:
+            setattr(weight, TP_AVG_TAG, True)
+        elif reduction != "avg":  # "avg": the weight came tagged; AVG of scaled partials = SUM
+            raise RuntimeError(
+                f"GatedDeltaNet: megatron's finalize_model_grads reduces out_norm.weight's "
+                f"tensor-parallel gradient with {reduction!r}; only a SUM, an AVG or no "
+                "reduction can be completed to the sum of the per-rank partials"
+            )
         return float(self.tp_size)
 
     def _check_out_norm_tp_tag(self) -> None:
@@ -295,10 +337,14 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         if not self.fused_gated_norm:
             if scale == 1.0:
                 return super()._apply_gated_norm(x, gate)
-            # megatron's norm + gate, its norm module reading the weight through scale_grad.
+            # megatron's norm + gate, its norm module reading the weight through scale_grad. The
+            # hooks see the parameter here; megatron's call of out_norm runs them again on the
+            # swapped slot, where DDP's (which acts on Parameters only) finds nothing to wait for.
+            run_forward_pre_hooks(self.out_norm, (x,))
             with weight_read_as(self.out_norm, scale_grad(self.out_norm.weight, scale)):
                 return super()._apply_gated_norm(x, gate)
         validate_gated_norm(self, x, gate)  # includes fused_gated_norm's own input checks
+        run_forward_pre_hooks(self.out_norm, (x,))  # out_norm is never called on this path
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
         # .contiguous() that follows in _gated_norm_and_a2a is then free. The kernel multiplies
         # dW by the scale before its single rounding.

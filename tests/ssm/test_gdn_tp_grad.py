@@ -9,6 +9,7 @@ from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 install_cpu_shims()
 
 import importlib  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -185,6 +186,36 @@ def test_megatron_tp_grad_reduction_reads_megatrons_rule():
     with megatron_summing_out_norm_grad():
         assert megatron_tp_grad_reduction(_weight(sequence_parallel=False), sp_off, group) == "sum"
         assert megatron_tp_grad_reduction(_weight(), sp_off, group, name="linear.weight") is None
+
+
+@pytest.mark.parametrize("tags,sequence_parallel,scale", [
+    ({"sequence_parallel": False}, False, 2.0),  # megatron leaves it: tagged here, scaled
+    ({"sequence_parallel": True}, True, 1.0),  # megatron sums the partials itself
+    ({"sequence_parallel": False, TP_AVG_TAG: True}, False, 2.0),  # arrives tagged: AVG
+], ids=["unreduced", "summed", "averaged"])
+def test_module_completes_each_reduction_to_the_sum(tags, sequence_parallel, scale):
+    """The weight-gradient scale a TP 2 rank applies, for each way megatron's finalize may treat
+    the out_norm weight: the reduced gradient is the SUM of the per-rank partials every time."""
+    from core.ssm.gated_delta_net import GatedDeltaNet
+
+    weight = _weight(**tags)
+    config = gdn_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+    rank = SimpleNamespace(out_norm=SimpleNamespace(weight=weight), tp_size=2, config=config,
+                           pg_collection=SimpleNamespace(tp=_TPGroupOfTwo()))
+    assert GatedDeltaNet._complete_out_norm_tp_reduction(rank) == scale
+    assert getattr(weight, TP_AVG_TAG, False) is (scale != 1.0)
+
+
+def test_module_refuses_a_reduction_it_cannot_complete(monkeypatch):
+    import core.ssm.gated_delta_net as gdn
+
+    monkeypatch.setattr(gdn, "megatron_tp_grad_reduction", lambda *args: "reduce_scatter")
+    rank = SimpleNamespace(out_norm=SimpleNamespace(weight=_weight()), tp_size=2,
+                           config=gdn_config(tensor_model_parallel_size=2),
+                           pg_collection=SimpleNamespace(tp=_TPGroupOfTwo()))
+    with pytest.raises(RuntimeError, match="reduces out_norm.weight's tensor-parallel gradient "
+                                           "with 'reduce_scatter'"):
+        gdn.GatedDeltaNet._complete_out_norm_tp_reduction(rank)
 
 
 def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(monkeypatch):

@@ -16,7 +16,6 @@ Launch parameters come from ``gated_norm_launch``; numerics are explained in doc
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -214,9 +213,9 @@ def gated_norm_fwd(
     PDL: tl.constexpr = False,
 ):
     """Writes out and (STORE_RSTD) one fp32 inverse RMS per row: program p handles rows
-    [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: the loop alone cost 5-7 %
-    of the copy ceiling on the H200 (tools/forward_variants.py); many small programs keep enough
-    loads in flight.
+    [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: with the loop the same
+    arithmetic was 1-15 % slower on the H200 (tools/forward_variants.py); many small programs
+    keep enough loads in flight.
     NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only). PDL: launched with
@@ -319,7 +318,7 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
     of two scale is exact (and 1.0 changes no bit). WEIGHT_GRAD_SCALE is a runtime fp32 argument
     (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
     most partials any launch can have, so the token count never changes it. torch's
-    ``sum(0).to()`` took 9.4 us (H200, two kernels): a third of the whole backward at 32k rows.
+    ``sum(0).to()`` is two kernels: 9.4 us on an H200, where this one takes about 2 us.
     PDL: launched with programmatic dependent launch; LAUNCH_DEPENDENTS: lets the next kernel
     launch early (_dependent_launch_entry)."""
     _dependent_launch_entry(PDL, LAUNCH_DEPENDENTS)
@@ -336,8 +335,8 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
 
-# Repeated calls skip JITFunction.run's binding (direct_launch.py: 21-38 -> 10-16 us of host
-# time per launch on an H200 host).
+# Repeated calls skip JITFunction.run's binding (direct_launch.py; the host time it saves is in
+# docs/benchmarks.md, Host cost).
 launch_forward = DirectLauncher(gated_norm_fwd)
 launch_backward = DirectLauncher(gated_norm_bwd)
 launch_dw_sum = DirectLauncher(gated_norm_dw_sum)
@@ -367,8 +366,9 @@ def dense_blocks(bt: int, heads: int, dim: int, token_stride: int, head_stride: 
     back to back in memory, one row every ``dim`` elements: heads are ``dim`` apart and the block
     stays inside one token (``bt`` divides the head count), or tokens are dense too (flat
     tokens ``heads * dim`` apart). None of it involves the token count, so a new token count
-    never changes the answer (no recompile). True for Megatron's tensors: FLA's contiguous
-    output, the gate slice of the packed projection and the sbhd output buffer."""
+    never changes the answer (no recompile). For Megatron's tensors: FLA's contiguous output
+    always; the gate slice of the packed projection and the sbhd output buffer (B > 1) when
+    ``bt`` divides the local head count (TP 4-8 ranks with few heads take the per-row path)."""
     if head_stride != dim:
         return False
     return heads % bt == 0 or (flat and token_stride == heads * dim)
@@ -439,6 +439,16 @@ def _keep_plan(key: tuple, plan):
     return plan
 
 
+def _plan_of(key: tuple, entry: str, activation):
+    """The kept plan of ``key``, or None. An option that cannot be a dict key (a list given as
+    the activation) is reported as the argument it is."""
+    try:
+        return _launch_plans.get(key)
+    except TypeError:
+        check_activation(entry, activation)
+        raise
+
+
 def _geometry(x, launch_rule, bt):
     """(rows, sequence, heads, dim, launch parameters, rows per block) of a [B, S, H, D] ``x``;
     ``bt`` overrides the rule's block when given."""
@@ -452,9 +462,12 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
            out.dtype, x.device, eps, zero_centered, activation, bt, warps, pdl)
-    plan = _launch_plans.get(key)
+    plan = _plan_of(key, "forward_impl", activation)
     if plan is not None:
         return plan
+    # A new signature: its options are checked once, before its first launch.
+    check_activation("forward_impl", activation)
+    check_positive_number("forward_impl", "eps", eps)
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
     pdl = cfg.pdl if pdl is None else pdl
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
@@ -472,9 +485,11 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
            dy.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
            weight_grad_scale, dw_sum_pdl)
-    plan = _launch_plans.get(key)
+    plan = _plan_of(key, "backward_impl", activation)
     if plan is not None:
         return plan
+    check_activation("backward_impl", activation)
+    check_positive_number("backward_impl", "weight_grad_scale", weight_grad_scale)
     rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
     if dw_sum_pdl is not None:
         cfg = cfg._replace(dw_sum_pdl=dw_sum_pdl)
@@ -760,10 +775,7 @@ def fused_gated_norm(
     check_positive_number(FUSED_GATED_NORM, "weight_grad_scale", weight_grad_scale)
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"fused_gated_norm: out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(
-            f"fused_gated_norm: activation must be one of {SUPPORTED_ACTIVATIONS}, got {activation!r}"
-        )
+    check_activation(FUSED_GATED_NORM, activation)
     return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
                                       weight_grad_scale)
 
@@ -836,13 +848,31 @@ def check_bool(entry: str, name: str, value) -> None:
         raise TypeError(f"{entry}: {name} must be a bool (True or False), got {value!r}")
 
 
+# The kernels take eps and the dW scale as fp32: a value outside the normal fp32 range would
+# become inf, 0 or a subnormal that the GPU's arithmetic flushes to 0.
+FP32_MIN_NORMAL = 2.0**-126
+FP32_MAX = 3.4028234663852886e38
+
+
 def check_positive_number(entry: str, name: str, value) -> None:
     """A Python float or int (not a bool, not a tensor: reading one would sync the device),
-    finite and > 0: TypeError for the type, ValueError for the value."""
+    finite and > 0 as a normal fp32 number (the kernels' type): TypeError for the type,
+    ValueError for the value."""
     if type(value) is not float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
         raise TypeError(f"{entry}: {name} must be a Python float or int, got {type(value).__name__}")
-    if not 0 < value < math.inf:  # the comparison also rejects NaN
-        raise ValueError(f"{entry}: {name} must be finite and > 0, got {value!r}")
+    if not FP32_MIN_NORMAL <= value <= FP32_MAX:  # the comparison also rejects NaN
+        raise ValueError(f"{entry}: {name} must be finite and > 0, a normal fp32 number "
+                         f"({FP32_MIN_NORMAL:.6g} to {FP32_MAX:.6g}), got {value!r}")
+
+
+def check_activation(entry: str, activation) -> None:
+    """One of SUPPORTED_ACTIVATIONS: TypeError for a non-string, ValueError for another name
+    (the kernels select the activation by name and have no other)."""
+    if not isinstance(activation, str):
+        raise TypeError(f"{entry}: activation must be a str, got {type(activation).__name__}")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{entry}: activation must be one of {SUPPORTED_ACTIVATIONS}, "
+                         f"got {activation!r}")
 
 
 def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
@@ -904,21 +934,25 @@ def check_last_dim_stride(entry: str, named: tuple) -> list:
     return strides
 
 
-def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:
+def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     """Check that a Megatron GatedDeltaNet ``module`` can take the fused output norm for these
     inputs; runs on every fused forward, recomputation included. Host-side metadata only.
+    Returns the kernel's name of the gate activation it checked ('silu' or 'sigmoid').
 
-    ``module`` needs ``config`` (a TransformerConfig) and ``out_norm`` (the weight holder)."""
+    ``module`` needs ``config`` (a TransformerConfig) and ``out_norm`` (the weight holder); the
+    gate activation is its ``act_fn`` (what megatron's unfused path applies), else
+    ``config.activation_func``."""
     config = module.config
     if config.normalization != "RMSNorm":
         raise ValueError(
             f"fused_gated_norm requires normalization='RMSNorm', got {config.normalization!r}"
         )
-    activation = gate_activation_name(config.activation_func)
+    act_fn = getattr(module, "act_fn", config.activation_func)
+    activation = gate_activation_name(act_fn)
     if activation is None:
         raise ValueError(
-            "fused_gated_norm requires a silu or sigmoid gate activation (config.activation_func), "
-            f"got {getattr(config.activation_func, '__name__', config.activation_func)!r}"
+            "fused_gated_norm requires a silu or sigmoid gate activation (the module's act_fn, "
+            f"config.activation_func), got {getattr(act_fn, '__name__', act_fn)!r}"
         )
     norm = module.out_norm
     weight = getattr(norm, "weight", None)
@@ -949,6 +983,7 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> None:
                 f"(local value heads, linear_value_head_dim), got {tuple(t.shape)}"
             )
     check_gated_norm_inputs(x, gate, weight, config.layernorm_epsilon)
+    return activation
 
 
 def gate_activation_name(fn) -> Optional[str]:

@@ -106,10 +106,12 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
             raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
     check_head_dim(_NAME, "head_v_dim", head_v_dim)
     check_bool(_NAME, "norm_before_gate", norm_before_gate)
+    if not isinstance(activation, str):
+        raise TypeError(f"{_NAME}: activation must be a str, got {type(activation).__name__}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
 
-    # Each metadata read costs about a microsecond of Python: read each once, compare locals.
+    # Each metadata read is a call into torch: read each once, compare locals.
     width = num_v_heads * head_v_dim
     shape = x.shape
     if len(shape) != 2 or shape[1] != width:

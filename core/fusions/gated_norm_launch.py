@@ -45,9 +45,8 @@ class BackwardLaunch(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # CPU interpreter: programs run one after another; a few keep dW partials small
+    """SMs of a CUDA ``device`` (the interpreter's launch is ``_interpreter``'s)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
@@ -85,7 +84,8 @@ FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
 # One warp (16 elements per thread) at 128 and 256: a row is still laid out as in the rule's
 # 2-warp block (tools/kernel_ir.py), so dx and dgate keep their bits (at 256, fp32 rows get
-# another fixed order); 1-5 % faster at 16k-1M rows of 128, 2-5 % at 32k-262k of 256.
+# another fixed order); backward alone 2-10 % faster at 16k-128k rows of 128 (16k: 8.92 -> 8.03
+# us), 7 % at 32k rows of 256 (docs/design.md, Launch choices).
 BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3

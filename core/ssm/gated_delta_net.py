@@ -247,8 +247,12 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             )
         # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
         self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
-        self.gate_activation = gate_activation_name(self.act_fn)
         self.out_norm_weight_grad_scale = self._complete_out_norm_tp_reduction()
+
+    @property
+    def gate_activation(self) -> Optional[str]:
+        """The kernel's name of the gate activation ('silu', 'sigmoid'; None for another)."""
+        return gate_activation_name(self.act_fn)
 
     @property
     def norm_out_checkpoint(self):
@@ -343,7 +347,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             run_forward_pre_hooks(self.out_norm, (x,))
             with weight_read_as(self.out_norm, scale_grad(self.out_norm.weight, scale)):
                 return super()._apply_gated_norm(x, gate)
-        validate_gated_norm(self, x, gate)  # includes fused_gated_norm's own input checks
+        activation = validate_gated_norm(self, x, gate)  # and fused_gated_norm's input checks
         run_forward_pre_hooks(self.out_norm, (x,))  # out_norm is never called on this path
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
         # .contiguous() that follows in _gated_norm_and_a2a is then free. The kernel multiplies
@@ -355,6 +359,6 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             self.config.layernorm_epsilon,
             self.out_norm_zero_centered,
             "sbhd",
-            self.gate_activation,
+            activation,
             weight_grad_scale=scale,
         )

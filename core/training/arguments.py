@@ -73,8 +73,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     Raises ValueError when ``args`` lacks the fusion flags (parsed without
     :func:`add_gdn_fusion_args`), when megatron would pick another config class
     (``--multi-latent-attention``, ``--heterogeneous-layers-config-path``: those configs have no
-    fused-gated-norm field), and when the config's checks refuse the combination; the message
-    then also names the command-line flags of the config fields it mentions."""
+    fused-gated-norm field), and when the config's checks refuse the combination (TypeError for
+    a field of the wrong type); the message then also names the command-line flags of the config
+    fields it mentions."""
     missing = [name for name in FUSION_FIELDS if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -91,11 +92,11 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
             )
     try:
         return core_transformer_config_from_args(args, config_class=TransformerConfig)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         flags = _flags_named_in(str(error))
         if not flags:
             raise
-        raise ValueError(f"{error} [command line: {', '.join(flags)}]") from error
+        raise type(error)(f"{error} [command line: {', '.join(flags)}]") from error
 
 
 def _flags_named_in(message: str) -> list[str]:

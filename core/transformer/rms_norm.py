@@ -16,6 +16,7 @@ import torch
 
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from core.fusions.fused_gated_norm import check_bool, check_positive_number
 from core.fusions.gated_norm_reference import rms_norm
 
 
@@ -28,7 +29,8 @@ class RMSNorm(torch.nn.Module):
         hidden_size: size of the normalised (last) dim.
         eps: added to mean(x^2).
         zero_centered_gamma: ``w_eff = 1 + weight`` (weight initialised to 0). None follows
-            ``config.layernorm_zero_centered_gamma``.
+            ``config.layernorm_zero_centered_gamma``. A bool (TypeError otherwise, as for a
+            non-number eps; ValueError for an eps that is not finite and > 0).
 
     The weight carries ``sequence_parallel = config.sequence_parallel`` (like TENorm), so the
     stock ``finalize_model_grads`` sums its grad over TP when sequence parallelism is on. As the
@@ -46,10 +48,14 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.config = config
         self.hidden_size = hidden_size
+        check_positive_number("RMSNorm", "eps", eps)
         self.eps = float(eps)
+        name = "zero_centered_gamma"
         if zero_centered_gamma is None:
-            zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+            zero_centered_gamma, name = (config.layernorm_zero_centered_gamma,
+                                         "config.layernorm_zero_centered_gamma")
+        check_bool("RMSNorm", name, zero_centered_gamma)
+        self.zero_centered_gamma = zero_centered_gamma
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(
             torch.empty(hidden_size, dtype=config.params_dtype, device=device)

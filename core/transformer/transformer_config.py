@@ -60,13 +60,15 @@ def validate_gdn_config(config) -> None:
     """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
     ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
     another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
-    provider -- is checked too). A config without the fields passes."""
+    provider -- is checked too). A config without the fields passes. TypeError for a field of
+    the wrong type (a string or an int is not a bool), ValueError for a combination the fused
+    norm does not implement."""
     fused = getattr(config, "fused_gated_norm", False)
     if not isinstance(fused, bool):
-        raise ValueError(f"fused_gated_norm must be True or False, got {fused!r}")
+        raise TypeError(f"fused_gated_norm must be True or False, got {fused!r}")
     zero_centered = getattr(config, "gdn_out_norm_zero_centered_gamma", None)
     if zero_centered is not None and not isinstance(zero_centered, bool):
-        raise ValueError(
+        raise TypeError(
             "gdn_out_norm_zero_centered_gamma must be None (follow "
             "layernorm_zero_centered_gamma), True or False, got "
             f"{zero_centered!r}"
@@ -97,8 +99,12 @@ def validate_gdn_config(config) -> None:
 def gdn_out_norm_zero_centered(config) -> bool:
     """Whether the GDN output norm uses zero-centred gamma under ``config``: its
     ``gdn_out_norm_zero_centered_gamma`` when set, else ``layernorm_zero_centered_gamma``.
-    Accepts a plain megatron TransformerConfig too (no override field: the global flag)."""
+    Accepts a plain megatron TransformerConfig too (no override field: the global flag).
+    TypeError when the flag it reads is not a bool (a string 'false' would read as True)."""
     value = getattr(config, "gdn_out_norm_zero_centered_gamma", None)
+    name = "gdn_out_norm_zero_centered_gamma"
     if value is None:
-        value = config.layernorm_zero_centered_gamma
-    return bool(value)
+        value, name = config.layernorm_zero_centered_gamma, "layernorm_zero_centered_gamma"
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

@@ -204,7 +204,9 @@ BAD = {
     "eps inf": (lambda a: a | {"eps": float("inf")}, ValueError, "eps must be finite and > 0"),
     "eps tensor": (lambda a: a | {"eps": torch.tensor(1e-6)}, TypeError, "eps must be a Python float or int"),
     "eps str": (lambda a: a | {"eps": "1e-6"}, TypeError, "eps must be a Python float or int"),
+    "eps fp32 overflow": (lambda a: a | {"eps": 1e39}, ValueError, "eps must be finite and > 0"),
     "activation": (lambda a: a | {"activation": "gelu"}, ValueError, "activation must be one of"),
+    "activation list": (lambda a: a | {"activation": ["silu"]}, TypeError, "activation must be a str"),
     **{f"norm_before_gate {value!r}": (lambda a, value=value: a | {"norm_before_gate": value},
                                        TypeError, "norm_before_gate must be a bool")
        for value in ("yes", "False", None, 0, 1, 0.5)},

@@ -24,6 +24,9 @@ from core.testing.gdn import (  # noqa: E402
 from core.transformer import RMSNorm  # noqa: E402
 
 SEQ, BATCH, HIDDEN = 24, 2, 64
+# The GDN gate activations the kernel implements (config.activation_func); gdn_config's
+# deterministic_mode=True is what validate_gdn_config requires of a sigmoid gate.
+ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,11 +62,14 @@ def _bits_within_one_ulp(a, b):
     return ulp_distance(a, b).max().item() <= 1
 
 
-@pytest.fixture(scope="module")
-def bf16_runs():
-    ref, fused = _layers(torch.bfloat16)
+@pytest.fixture(scope="module", params=list(ACTIVATIONS))
+def bf16_runs(request):
+    """Runs of the unfused, fused and fp32 unfused layer (same weights), per gate activation."""
+    act = dict(activation_func=ACTIVATIONS[request.param])
+    ref, fused = _layers(torch.bfloat16, **act)
+    assert fused.self_attention.gate_activation == request.param
     x, dy = _inputs(torch.bfloat16)
-    f32 = build_gdn_layer(gdn_config(params_dtype=torch.float32, fused_gated_norm=False))
+    f32 = build_gdn_layer(gdn_config(params_dtype=torch.float32, fused_gated_norm=False, **act))
     f32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                          for k, v in ref.state_dict().items()})
     return _run(ref, x, dy), _run(fused, x, dy), _run(f32, x.float(), dy.float())
@@ -86,8 +92,9 @@ def test_bf16_grads_no_less_accurate_than_unfused(bf16_runs):
         torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2 * unfused.float().abs().max().item())
 
 
-def test_fp32_flag_on_matches_off():
-    ref, fused = _layers(torch.float32)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_fp32_flag_on_matches_off(activation):
+    ref, fused = _layers(torch.float32, activation_func=ACTIVATIONS[activation])
     x, dy = _inputs(torch.float32, seed=1)
     (o_r, dx_r, g_r), (o_f, dx_f, g_f) = _run(ref, x, dy), _run(fused, x, dy)
     torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
@@ -331,6 +338,13 @@ def _with_config(module, **changes):
     return clone
 
 
+def _with_act_fn(module, act_fn):
+    """The module with another gate activation, as megatron applies it (``module.act_fn``)."""
+    clone = copy.copy(module)
+    clone.act_fn = act_fn
+    return clone
+
+
 def test_validation_accepts_good_inputs(fused_module):
     out = fused_module._apply_gated_norm(*_xg())
     assert out.shape == (2, 3, 4, 16)
@@ -341,7 +355,7 @@ def test_validation_accepts_good_inputs(fused_module):
     [
         (lambda m: (_with_config(m, normalization="LayerNorm"), _xg()), ValueError,
          "requires normalization='RMSNorm'"),
-        (lambda m: (_with_config(m, activation_func=F.gelu), _xg()), ValueError,
+        (lambda m: (_with_act_fn(m, F.gelu), _xg()), ValueError,
          "silu or sigmoid gate activation"),
         (lambda m: (_with_config(m, layernorm_epsilon=1e-3), _xg()), ValueError,
          r"out_norm eps \(1e-05\) to equal config.layernorm_epsilon"),
@@ -402,7 +416,7 @@ def test_construction_checks_fields_set_on_any_config():
     an attribute assigned later) is checked when the layer is built."""
     config = gdn_config()
     config.fused_gated_norm = "yes"
-    with pytest.raises(ValueError, match="fused_gated_norm must be True or False"):
+    with pytest.raises(TypeError, match="fused_gated_norm must be True or False"):
         build_gdn_module(config)
     config.fused_gated_norm = True
     config.activation_func = F.gelu

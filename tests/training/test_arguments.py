@@ -109,11 +109,11 @@ def test_gelu_gate_refused_naming_swiglu(monkeypatch):
 def test_string_is_not_a_bool(monkeypatch):
     args = megatron_args(monkeypatch)
     args.fused_gated_norm = "false"
-    with pytest.raises(ValueError, match=r"fused_gated_norm must be True or False, got 'false'"):
+    with pytest.raises(TypeError, match=r"fused_gated_norm must be True or False, got 'false'"):
         transformer_config_from_args(args)
     args.fused_gated_norm = False
     args.gdn_out_norm_zero_centered_gamma = 1
-    with pytest.raises(ValueError, match="gdn_out_norm_zero_centered_gamma must be None"):
+    with pytest.raises(TypeError, match="gdn_out_norm_zero_centered_gamma must be None"):
         transformer_config_from_args(args)
 
 

@@ -53,3 +53,21 @@ def test_local_norm_dispatch():
     assert isinstance(LocalNorm(config=gdn_config(), hidden_size=8, eps=1e-5), RMSNorm)
     ln = LocalNorm(config=gdn_config(normalization="LayerNorm"), hidden_size=8, eps=1e-5)
     assert isinstance(ln, torch.nn.LayerNorm)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"zero_centered_gamma": "False"}, TypeError, "RMSNorm: zero_centered_gamma must be a bool"),
+    ({"zero_centered_gamma": 0}, TypeError, "RMSNorm: zero_centered_gamma must be a bool"),
+    ({"eps": "1e-5"}, TypeError, "RMSNorm: eps must be a Python float or int"),
+    ({"eps": 0.0}, ValueError, "RMSNorm: eps must be finite and > 0"),
+], ids=["string-flag", "int-flag", "string-eps", "zero-eps"])
+def test_arguments_are_not_coerced(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        RMSNorm(gdn_config(), hidden_size=8, **kwargs)
+
+
+def test_config_flag_is_not_coerced():
+    config = gdn_config()
+    config.layernorm_zero_centered_gamma = "false"  # would read as True
+    with pytest.raises(TypeError, match="config.layernorm_zero_centered_gamma must be a bool"):
+        RMSNorm(config, hidden_size=8)

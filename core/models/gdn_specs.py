@@ -241,7 +241,8 @@ def assert_fused_gdn(model) -> None:
     class (patching its ``__init__`` or ``build_module``) would change megatron process-wide for
     every model, including ones that never import this package. The built model is the one
     place where both are known, and walking its modules costs microseconds per layer, once.
-    Launchers call it right after building the model (``core.training``), and
+    Launchers call it right after building the model (examples/pretrain_gdn_megatron.py: as
+    a post-wrap hook of megatron's model config), and
     :func:`get_gdn_hybrid_block_spec` / :func:`use_fused_gdn` make the specs it would reject
     unnecessary."""
     if isinstance(model, torch.nn.Module):

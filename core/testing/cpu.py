@@ -151,11 +151,17 @@ def _share_storage_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.untyped_storage().copy_(src.untyped_storage())
 
 
-def _unwrap_compiled(cls) -> None:
-    for name, value in list(vars(cls).items()):
+def unwrap_compiled(namespace) -> dict:
+    """Put back the function each torch.compile'd attribute of ``namespace`` (a class or a
+    module: megatron's ``jit_fuser`` decorates at import) wraps; returns ``{name: compiled}``,
+    what to restore."""
+    saved = {}
+    for name, value in list(vars(namespace).items()):
         orig = getattr(value, "_torchdynamo_orig_callable", None)
         if orig is not None:
-            setattr(cls, name, orig)
+            saved[name] = value
+            setattr(namespace, name, orig)
+    return saved
 
 
 def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
@@ -190,7 +196,7 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
     if "megatron.core.ssm.gated_delta_net.common" in sys.modules:
         from megatron.core.ssm.gated_delta_net.common import _GDNBase
 
-        _unwrap_compiled(_GDNBase)
+        unwrap_compiled(_GDNBase)
 
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -382,10 +388,7 @@ def install_cpu_training_loop_shims() -> None:
         training.get_megatron_optimizer)
     for name, mod in list(sys.modules.items()):
         if name.startswith("megatron.") and mod is not None:
-            for attr, value in list(vars(mod).items()):
-                orig = getattr(value, "_torchdynamo_orig_callable", None)
-                if orig is not None and callable(value):
-                    setattr(mod, attr, orig)
+            unwrap_compiled(mod)
     proxy = _CpuTorch()
     for name in TRAINING_LOOP_MODULES:
         mod = importlib.import_module(name)

@@ -64,13 +64,9 @@ def unwrap_jit_gdn_methods() -> dict:
     eager code is the numerics reference of the fusion. Returns what to restore."""
     from megatron.core.ssm.gated_delta_net.common import _GDNBase
 
-    saved = {}
-    for name, value in list(vars(_GDNBase).items()):
-        orig = getattr(value, "_torchdynamo_orig_callable", None)
-        if orig is not None:
-            saved[name] = value
-            setattr(_GDNBase, name, orig)
-    return saved
+    from core.testing.cpu import unwrap_compiled
+
+    return unwrap_compiled(_GDNBase)
 
 
 @contextlib.contextmanager

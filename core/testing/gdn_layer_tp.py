@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from core.testing.gdn_tp import TP_OVERRIDES
+from core.testing.gdn_tp import TP_OVERRIDES, wrap_ddp
 
 SEQ, BATCH = 32, 2
 SEED = 1234
@@ -70,13 +70,6 @@ def _layer(config, state: dict, device):
     layer = build_gdn_layer(config, seed=None).to(device)
     layer.load_state_dict(state)
     return layer
-
-
-def wrap_ddp(layer):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
-    return DistributedDataParallel(config=layer.config, ddp_config=ddp_config, module=layer)
 
 
 def ddp_step(model, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

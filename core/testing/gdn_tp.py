@@ -31,6 +31,8 @@ from typing import Iterable
 
 import torch
 
+from core.testing.parallel import rel_err  # noqa: F401  (the TP tests' metric)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # fp32 params: DDP's main_grad is fp32 either way (grad_reduce_in_fp32 only changes the config
@@ -71,13 +73,7 @@ def tolerance(case: dict) -> float:
     return 1e-5 if case["dtype"] == "fp32" else 8e-3
 
 
-def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |got - expected| / max |expected| (float64)."""
-    got, expected = got.double().cpu(), expected.double().cpu()
-    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-
-
-def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool,
+def wrap_ddp(module: torch.nn.Module, grad_reduce_in_fp32: bool = True,
              distributed_optimizer: bool = False):
     """megatron's DistributedDataParallel around ``module``, as a training script builds it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

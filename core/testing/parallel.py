@@ -647,8 +647,8 @@ def spawn_layouts(layouts, reference_path: str, out_dir: str, fused_values=(True
 
 
 def rel_err(got: torch.Tensor, expected: torch.Tensor, scale: Optional[float] = None) -> float:
-    """max |got - expected| / scale (default: max |expected|), in float64."""
-    got, expected = got.double(), expected.double()
+    """max |got - expected| / scale (default: max |expected|), in float64 on the CPU."""
+    got, expected = got.double().cpu(), expected.double().cpu()
     if got.shape != expected.shape:
         return float("inf")
     if expected.numel() == 0:

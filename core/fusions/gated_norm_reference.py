@@ -1,4 +1,5 @@
-"""Plain-torch references of the gated norm, the one definition used by tests and benchmarks.
+"""Plain-torch references of the gated norm, the one definition used by tests and benchmarks;
+``rms_norm`` is also the forward of the no-TE output norm (``core.transformer.RMSNorm``).
 
 ``unfused_gated_norm`` is what Megatron's unfused GDN path computes (a TE-style RMSNorm with one
 rounding, then the fp32 gate product, then a second rounding): the training kernels must equal

@@ -576,18 +576,27 @@ def tensor_parallel_grads(tp: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(
+        "Megatron's GatedDeltaNet layer (core.ssm.GatedDeltaNet, no Transformer Engine needed) "
+        "with FLA's kernels, bf16, fused_gated_norm off vs on, at the GDN shapes of Qwen3-Next: "
+        "parity on the layer's tensors, eager speed and memory, speed under megatron's local "
+        "CUDA graphs, and where the gain comes from (--parts); with --tp N under torchrun, the "
+        "out_norm weight gradient at TP = N against TP = 1."))
     parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    parser.add_argument("--iters", type=int, default=20,
+                        help="timed steps per measurement (perf: per flag state, the two "
+                             "alternating; default: %(default)s)")
     parser.add_argument("--graph-repeats", type=int, default=GRAPH_REPEATS,
                         help="graphs: layers built and captured per flag state, in alternating order")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
     parser.add_argument("--value-heads", type=int, nargs="+", default=None,
-                        help="perf at these per-rank value-head counts (default: all of the model)")
+                        help="perf and graphs at these per-rank value-head counts (e.g. 32 8 4: "
+                             "TP 1, 4, 8 of Qwen3-Next; default: the model's own, 32, or 4 with --cpu)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="SxB",
-                        help="perf shapes, sequence x batch (default: 4096x1 8192x2; CPU 64x2)")
+                        help="perf and graphs shapes, sequence x batch (default: 4096x1 8192x2; "
+                             "CPU 64x2); parity and breakdown keep the defaults")
     parser.add_argument("--tp", type=int, default=1,
                         help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
     args = parser.parse_args(argv)

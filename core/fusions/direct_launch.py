@@ -1,11 +1,13 @@
 """Launch a Triton kernel without ``JITFunction.run`` on repeated calls.
 
 ``kernel[grid](...)`` binds every argument, derives Triton's specialisation key and looks the
-compiled kernel up on every call: 21-38 us of host time per launch (H200 host, torch 2.11, triton
-3.6, ``python tools/host_cost.py``). The
-fused norm launches in every forward and backward of every GDN layer, so ``DirectLauncher``
-keeps the compiled kernel per *launch key* and calls it directly: 10-16 us, within 0.2-2.9 us of a
-bare call of the compiled kernel (docs/design.md, launch choices).
+compiled kernel up on every call: 20.1-22.6 us of host time per launch of the forward. The fused
+norm launches in every forward and backward of every GDN layer, so ``DirectLauncher`` keeps the
+compiled kernel per *launch key* and calls it directly: 7.5-8.7 us with the arguments prepared
+(as the fused norm launches; 9.8-11.8 us unprepared), in each run less than calling the compiled
+kernel by hand (``compiled[(grid, 1, 1)](...)``, 8.8-12.4 us: it builds Triton's launch
+metadata). Medians of three runs of ``taskset -c 3 python tools/host_cost.py`` (H200 host, torch
+2.11, triton 3.6): docs/results/host_cost_pinned.json, docs/benchmarks.md (Host cost).
 
 The launch key must determine Triton's specialisation of every argument. It is built from the
 scalar arguments (every int, float, stride tuple, flag and constexpr by value, except the
@@ -20,8 +22,8 @@ compiles only if Triton's own key is new. Under the Triton interpreter there is 
 kernel: every call takes the normal path.
 
 The direct call is Triton's private launcher ABI (the call ``JITFunction.run`` ends with), as
-written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6 and 3.7). Each launcher checks
-its first compiled kernel against it: the Triton version, and the parameters of the compiled
+written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6, 3.7 and 3.8). Each launcher
+checks its first compiled kernel against it: the Triton version, and the parameters of the compiled
 kernel's launcher and ``launch_metadata``. On a mismatch it launches through ``kernel[grid]``
 from then on, and the process gets one warning. ``GDN_FUSED_NORM_DIRECT_LAUNCH=0`` in the
 environment (read when a launcher is made, at import) turns the direct path off without one.
@@ -48,13 +50,16 @@ ENV_SWITCH = "GDN_FUSED_NORM_DIRECT_LAUNCH"
 TRITON_VERSION = triton.__version__
 
 # Parameters of a compiled kernel's launcher (``CompiledKernel.run``), by Triton major.minor.
-# JITFunction.run calls it the same way in both: (grid x, y, z, stream, function, packed
+# JITFunction.run calls it the same way in all: (grid x, y, z, stream, function, packed
 # metadata, launch metadata, enter hook, exit hook, *kernel arguments); 3.6 passes everything
-# after the function through *args, 3.7 names it.
+# after the function through *args, 3.7 names it, 3.8 keeps 3.7's launcher (its C launch call
+# too: integer pointers skip the driver query, None hooks are not called).
+_NAMED_HOOKS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+                "launch_metadata", "launch_enter_hook", "launch_exit_hook", "*args")
 LAUNCHER_PARAMETERS = {
     "3.6": ("gridX", "gridY", "gridZ", "stream", "function", "*args"),
-    "3.7": ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
-            "launch_enter_hook", "launch_exit_hook", "*args"),
+    "3.7": _NAMED_HOOKS,
+    "3.8": _NAMED_HOOKS,
 }
 LAUNCH_METADATA_PARAMETERS = ("grid", "stream", "*args")
 
@@ -205,8 +210,10 @@ class DirectLauncher:
           (cuPointerGetAttribute), which only checks that the address is device memory; the
           callers' validation requires CUDA tensors (fused_gated_norm.check_operands), and the first
           launch of every key went through JITFunction.run, which made the check itself;
-        - with no launch hook registered (Triton 3.6 and 3.7 keep empty hook chains and call
+        - with no launch hook registered (Triton 3.6-3.8 keep empty hook chains and call
           them on every launch), neither the hooks nor their metadata are built or called.
+        ``self.compiled`` keeps the CompiledKernel itself, not its ``function`` handle: from
+        Triton 3.8 on, a CompiledKernel unloads its module when it is freed (``__del__``).
         """
         stream = driver.active.get_current_stream(device)
         runtime = knobs.runtime
@@ -221,7 +228,7 @@ class DirectLauncher:
 
 
 def _has_hooks(hook) -> bool:
-    """A launch hook (a plain callable) or a chain of them (``.calls``, Triton 3.6 and 3.7) that
+    """A launch hook (a plain callable) or a chain of them (``.calls``, Triton 3.6-3.8) that
     calls anything."""
     return hook is not None and bool(getattr(hook, "calls", True))
 

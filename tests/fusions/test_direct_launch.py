@@ -12,6 +12,7 @@ switch) and the installed Triton's launcher ABI are tested too.
 from __future__ import annotations
 
 import inspect
+import pathlib
 import re
 import warnings
 
@@ -48,6 +49,20 @@ class FakeCompiled:
                          launch_metadata, launch_enter_hook, launch_exit_hook))
 
 
+class FakeCompiled36(FakeCompiled):
+    """Triton 3.6's launcher: everything after the function through ``*args``; logs the call as
+    FakeCompiled does."""
+
+    def run(self, gridX, gridY, gridZ, stream, function, *args):
+        kernel_metadata, launch_metadata, enter, exit_, *args = args
+        self.log.append(("direct", (gridX, gridY, gridZ), stream, function, kernel_metadata,
+                         tuple(args), launch_metadata, enter, exit_))
+
+
+# A fake compiled kernel with each known launcher's parameters (direct_launch.LAUNCHER_PARAMETERS).
+FAKE_LAUNCHERS = {"3.6": FakeCompiled36, "3.7": FakeCompiled, "3.8": FakeCompiled}
+
+
 class FakeParam:
     def __init__(self, num, do_not_specialize):
         self.num, self.do_not_specialize = num, do_not_specialize
@@ -66,7 +81,10 @@ class FakeJit:
     def __getitem__(self, grid):
         def run(*args, num_warps, **options):
             self.log.append(("jit", grid, args, num_warps, *options.items()))
-            return None if self.interpreted else self.compiled(self.log)
+            if self.interpreted:
+                return None
+            self.returned = self.compiled(self.log)
+            return self.returned
         return run
 
 
@@ -122,6 +140,30 @@ def test_same_key_launches_the_compiled_kernel_with_the_same_arguments(fake_driv
     assert jit.log[1][1:] == ((4, 1, 1), "stream0", "fn-handle", "packed",
                               (x.data_ptr(), 0, *scalars), None, None, None)
     assert launch.direct_calls == 1
+    # The CompiledKernel itself is kept, not its function handle: Triton >= 3.8 unloads the
+    # module of a CompiledKernel that is freed.
+    assert list(launch.compiled.values()) == [jit.returned]
+
+
+@pytest.mark.parametrize("version", sorted(direct_launch.LAUNCHER_PARAMETERS))
+def test_every_known_triton_takes_the_direct_path(fake_driver, monkeypatch, version):
+    """Each Triton of LAUNCHER_PARAMETERS, with a launcher of its parameters, launches directly
+    with the arguments JITFunction.run would pass, without a warning."""
+    assert set(FAKE_LAUNCHERS) == set(direct_launch.LAUNCHER_PARAMETERS)
+    compiled = FAKE_LAUNCHERS[version]
+    assert parameter_names(compiled.run) == ("self", *direct_launch.LAUNCHER_PARAMETERS[version])
+    monkeypatch.setattr(direct_launch, "TRITON_VERSION", f"{version}.0")
+    jit = FakeJit(compiled=compiled)
+    launch = DirectLauncher(jit)
+    x = torch.zeros(64)
+    scalars = (64, (0, 8, 1), True, "silu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            launch(4, (x, None), scalars, 4)
+    assert _kinds(jit.log) == ["jit", "direct", "direct"] and launch.direct is True
+    assert jit.log[2][1:] == ((4, 1, 1), "stream0", "fn-handle", "packed",
+                              (x.data_ptr(), 0, *scalars), None, None, None)
 
 
 class HookChain:
@@ -311,6 +353,9 @@ class OtherLaunchMetadata(FakeCompiled):
     ("3.9.0", FakeCompiled, "Triton 3.9.0 is not a version its launcher ABI is known for"),
     ("2.3.1", FakeCompiled, "Triton 2.3.1 is not a version"),
     ("3.6.0", FakeCompiled, "launcher takes .*'kernel_metadata'.*, not"),  # 3.7's under 3.6
+    ("3.8.0", FakeCompiled36, r"launcher takes \('gridX', 'gridY', 'gridZ', 'stream', "
+                              r"'function', '\*args'\), not"),  # 3.6's under 3.8
+    ("3.8.0", LauncherOfAnotherShape, r"launcher takes \('grid', 'stream', 'function', '\*args'\)"),
     ("3.7.1", LauncherOfAnotherShape, r"launcher takes \('grid', 'stream', 'function', '\*args'\)"),
     ("3.7.1", NoPackedMetadata, "lacks what the direct call uses"),
     ("3.7.1", OtherLaunchMetadata, "launch_metadata takes"),
@@ -384,6 +429,16 @@ def test_installed_triton_has_the_launch_abi_the_direct_call_uses():
     assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
             "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
             "*bound_args.values())") in run
+    # The launcher's C side takes what the direct call passes in place of Triton's: an integer
+    # as the address itself (before any data_ptr() or driver query), None as no hook.
+    source = _c_launcher_source()
+    assert re.search(r"if\(PyLong_Check\(obj\)\)\{[\w.*]*dev_ptr=PyLong_AsUnsignedLongLong\(obj\);"
+                     r"return\w*;\}.{0,200}?PyObject_CallMethodNoArgs\(obj,data_ptr_str\)", source)
+    hooks = ("launch_enter_hook", "launch_exit_hook")
+    assert (all(f"if({hook}!=Py_None){{PyObject*ret=PyObject_CallOneArg({hook},launch_metadata);"
+                in source for hook in hooks)  # 3.6: generated per kernel in driver.py
+            or ("if(hook!=Py_None){PyObject*ret=PyObject_CallOneArg(hook,metadata);" in source
+                and all(f"launchHook({hook},launch_metadata)" in source for hook in hooks)))
 
     # What the launch key stands for (direct_launch.py's docstring): an unspecialised int is
     # typed by its width, a float is fp32 whatever its value, a pointer specialises on 16-byte
@@ -405,3 +460,15 @@ def test_installed_triton_has_the_launch_abi_the_direct_call_uses():
     assert sorted(p.name for p in params if p.do_not_specialize) == ["ROWS", "SEQUENCE"]
     assert hasattr(triton.knobs.runtime, "launch_enter_hook")
     assert hasattr(triton.knobs.runtime, "launch_exit_hook")
+
+
+def _c_launcher_source() -> str:
+    """The C source of the installed Triton's CUDA launcher, whitespace removed: generated from a
+    template in driver.py (3.6) or driver.c beside it (3.7 on)."""
+    module = inspect.getmodule(CudaLauncher)
+    parts = [inspect.getsource(module)]
+    c_file = pathlib.Path(module.__file__).with_name("driver.c")
+    if c_file.exists():
+        parts.append(c_file.read_text())
+    source = "".join(parts).replace("{{", "{").replace("}}", "}")  # the template's braces
+    return re.sub(r"\s+", "", source)

@@ -81,6 +81,28 @@ _EXACT_BF16_CAST = tl.constexpr(not INTERPRETED)
 _EXP2_FTZ = tl.constexpr(not INTERPRETED)
 
 
+def interpreter_loop_problem() -> Optional[str]:
+    """Why the installed Triton's interpreter cannot run the backward's row-block loop, or None
+    (whether or not this process interprets). Triton 3.6's interpreter turns a loop bound (a
+    one-element array) into an int with ``int()``, which newer NumPy releases refuse; Triton 3.7
+    squeezes it first."""
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):
+        return None
+    import numpy
+
+    try:
+        int(numpy.zeros(1, dtype=numpy.int32))
+    except TypeError:
+        return (f"the Triton {triton.__version__} interpreter (TRITON_INTERPRET=1) cannot run the "
+                f"backward kernel's loop with NumPy {numpy.__version__}, which refuses int() of "
+                "a one-element array; use triton >= 3.7 on the CPU (tools/constraints.txt pins "
+                "3.7.1)")
+    return None
+
+
+INTERPRETER_LOOP_PROBLEM = interpreter_loop_problem() if INTERPRETED else None
+
+
 @triton.jit
 def _row_pointers(base, row0, rows, cols, SEQUENCE, HEADS: tl.constexpr, D: tl.constexpr,
                   STRIDES, FLAT_TOKENS: tl.constexpr, DENSE: tl.constexpr):
@@ -490,6 +512,8 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
         return plan
     check_activation("backward_impl", activation)
     check_positive_number("backward_impl", "weight_grad_scale", weight_grad_scale)
+    if INTERPRETER_LOOP_PROBLEM:
+        raise RuntimeError(f"backward_impl: {INTERPRETER_LOOP_PROBLEM}")
     rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
     if dw_sum_pdl is not None:
         cfg = cfg._replace(dw_sum_pdl=dw_sum_pdl)

@@ -19,7 +19,7 @@ import torch
 
 import core.fusions.fused_gated_norm as fgn
 from core.fusions.fused_gated_norm import fused_gated_norm
-from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate
+from tests.gated_norm_inputs import EPS, make_inputs, packed_projection_gate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,8 +36,10 @@ def _grads(fn, x, gate, weight, dy):
     return (out, *torch.autograd.grad(out, leaves, dy))
 
 
+# inductor: the backend a model compiles with; on the CPU it builds C++ for the ops around the
+# custom op (a C++ compiler, as torch.compile needs on any CPU; ~8 s with a cold cache).
 @pytest.mark.parametrize("out_layout", ["bshd", "sbhd"])
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compile_fullgraph_matches_eager(backend, out_layout):
     torch._dynamo.reset()
     x, gate, weight = strided_gate_inputs(2, 5)
@@ -48,7 +50,7 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
         return out * 2.0  # something around the op, so the graph is not just the op
 
     compiled = torch.compile(layer, fullgraph=True, backend=backend)  # raises on a graph break
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, x.dtype)
+    dy = make_inputs(x.shape, x.dtype, seed=1)[0]
     eager = _grads(layer, x, gate, weight, dy)
     traced = _grads(compiled, x, gate, weight, dy)
     for name, a, b in zip(("out", "dx", "dgate", "dweight"), eager, traced):

@@ -189,7 +189,7 @@ def test_no_input_is_copied(monkeypatch):
     x, gate, weight = make_inputs((2, 4, 3, 64), torch.bfloat16)
     x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    dy = sbhd_view(torch.randn(x.shape, device=DEVICE).to(torch.bfloat16))
+    dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
     with _RecordOps() as rec:
         out = fused_gated_norm(*leaves, EPS, out_layout="sbhd")
         torch.autograd.grad(out, leaves, dy)
@@ -262,25 +262,34 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
     out = torch.empty(5, 2, 3, 64, dtype=x.dtype, device=x.device).transpose(0, 1)  # sbhd
     _, rstd = kernel_module.forward_impl(x, gate, weight, 0.25, True, bt=2, out=out,
                                          activation="sigmoid")
-    packed = torch.zeros(7, 300, dtype=x.dtype, device=x.device)
-    x2, z2, out2 = make_inputs((7, 128), x.dtype)[0], packed[:, 100:228], torch.empty(7, 128, dtype=x.dtype, device=x.device)
+    # inference: [tokens, H * D] rows, z the middle third of a packed [7, 3 * 128] projection
+    x2 = make_inputs((7, 128), x.dtype)[0]
+    z2 = packed_projection_gate((1, 7, 2, 64), x.dtype)[0].flatten(-2)
+    out2 = torch.empty_like(x2)
     with torch.no_grad():
         fused_gdn_gated_rms_norm(x2, z2, weight, out2, 0.5, 2, 64, False, "sigmoid")
     train, infer = launches
     tensors = ("x", "gate", "weight", "out", "rstd")
     for got, want in ((train, (x, gate, weight, out, rstd)), (infer, (x2, z2, weight, out2, None))):
         assert all(got.pop(name) is t for name, t in zip(tensors, want))
+    # (batch, sequence, head) strides; flat tokens (batch stride = S x token stride, never read
+    # by the kernel) pass 0 for the batch: x and the packed gate are flat, the sbhd out is not.
+    assert x.stride(0) == 5 * x.stride(1) and gate.stride(0) == 5 * gate.stride(1)
+    assert out.stride(0) != 5 * out.stride(1)
     assert train == dict(
         ROWS=30, HEADS=3, D=64, SEQUENCE=5,
-        X_STRIDES=(0, 192, 64), GATE_STRIDES=(0, 576, 64), OUT_STRIDES=(192, 384, 64),
+        X_STRIDES=(0, *x.stride()[1:3]), GATE_STRIDES=(0, *gate.stride()[1:3]),
+        OUT_STRIDES=out.stride()[:3],
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=False,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=False,
         EPS=0.25, ZERO_CENTERED=True, BT=2, BLOCK_D=64, NORM_DTYPE=tl.bfloat16,
         ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True, PDL=False,
     )
-    assert infer == dict(
+    assert z2.stride(0) != 128  # the packed projection's token stride
+    assert infer == dict(  # one sequence of 7 tokens, heads D = 64 apart within a row
         ROWS=14, HEADS=2, D=64, SEQUENCE=7,
-        X_STRIDES=(0, 128, 64), GATE_STRIDES=(0, 300, 64), OUT_STRIDES=(0, 128, 64),
+        X_STRIDES=(0, x2.stride(0), 64), GATE_STRIDES=(0, z2.stride(0), 64),
+        OUT_STRIDES=(0, out2.stride(0), 64),
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=True,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=True,
         EPS=0.5, ZERO_CENTERED=False, BT=forward_launch(64, x.device).bt, BLOCK_D=64,
@@ -328,18 +337,6 @@ def test_sigmoid_activation_forward_and_backward():
                             float64_grads(x, gate, weight, dy, False, "sigmoid"))
 
 
-def test_backward_is_deterministic():
-    x, gate, weight = make_inputs((2, 16, 4, 96), torch.bfloat16)
-    dy = make_inputs(x.shape, torch.bfloat16, seed=9)[0]
-
-    def run():
-        leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-        return torch.autograd.grad(fused_gated_norm(*leaves, EPS), leaves, dy)
-
-    for first, second in zip(run(), run()):
-        assert torch.equal(first, second)
-
-
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale", [2.0, 8])
 def test_weight_grad_scale_multiplies_dw_exactly(weight_dtype, scale):
@@ -375,7 +372,7 @@ def test_double_backward_raises():
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
     x.requires_grad_()
     out = fused_gated_norm(x, gate, weight, EPS)
-    dy = torch.randn_like(out).requires_grad_()
+    dy = make_inputs(out.shape, out.dtype, seed=1)[0].requires_grad_()
     (dx,) = torch.autograd.grad(out, x, dy, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dx.sum().backward()
@@ -416,7 +413,7 @@ def test_rows_get_the_same_bits_in_any_batch():
 
 def _bad_inputs():
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.bfloat16)
-    strided = torch.randn(1, 2, 2, 128, device=DEVICE).to(torch.bfloat16)[..., ::2]
+    strided = make_inputs((1, 2, 2, 128), torch.bfloat16, seed=1)[0][..., ::2]
     meta = torch.empty(1, 2, 2, 64, dtype=torch.bfloat16, device="meta")
     return {
         "rank": ((x[0], gate[0], weight, EPS), ValueError, "x must have rank 4"),
@@ -636,22 +633,35 @@ def test_dense_blocks_rules():
     assert heads_apart.shape == (2, 5, 4, 64) and not _dense(heads_apart, 4)
 
 
-@pytest.mark.parametrize("bt", [1, 2, 4, 8])
-@pytest.mark.parametrize("layout", ["contiguous", "packed_gate", "sbhd_x_and_gate"])
-def test_dense_and_per_row_addressing_agree(layout, bt, monkeypatch):
-    """The dense path and the per-row 64-bit path compute the same bits (forward and backward),
-    for blocks inside a token (bt divides the 4 heads) and across tokens (bt = 8)."""
+# (x / gate layout, out and dy layout, bt): blocks inside a token (bt divides the 4 heads) and
+# across tokens (bt = 8). An sbhd view has no flat tokens, so at bt = 8 it is never dense: there
+# the sbhd x and gate go with a bshd out and dy, which are.
+DENSE_CASES = [(layout, "sbhd", bt) for layout in ("contiguous", "packed_gate", "sbhd_x_and_gate")
+               for bt in (1, 2, 4)] + [("contiguous", "sbhd", 8), ("packed_gate", "sbhd", 8),
+                                       ("sbhd_x_and_gate", "bshd", 8)]
+
+
+@pytest.mark.parametrize("layout, out_layout, bt", DENSE_CASES,
+                         ids=[f"{layout}-{out}-{bt}" for layout, out, bt in DENSE_CASES])
+def test_dense_and_per_row_addressing_agree(layout, out_layout, bt, monkeypatch):
+    """The dense path and the per-row 64-bit path compute the same bits (forward and backward).
+    Each case has at least one operand the dense path addresses, so the two runs differ."""
     x, gate, weight = make_inputs((2, 5, 4, 64), torch.bfloat16)
     x, gate = LAYOUTS[layout](x, gate)
-    dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
-    out_buffer = torch.empty(5, 2, 4, 64, dtype=x.dtype, device=x.device)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=4)[0]
+    out_buffer = torch.empty(2, 5, 4, 64, dtype=x.dtype, device=x.device)
+    if out_layout == "sbhd":
+        dy, out_buffer = sbhd_view(dy), out_buffer.transpose(0, 1).contiguous().transpose(0, 1)
+    operands = {"x": x, "gate": gate, "out": out_buffer, "dy": dy}
+    dense_operands = [name for name, t in operands.items() if _dense(t, bt)]
+    assert dense_operands, "no operand takes the dense path: the case compares a path with itself"
     results = []
     for dense in (True, False):
         if not dense:
             monkeypatch.setattr(kernel_module, "dense_blocks", lambda *args: False)
             monkeypatch.setattr(kernel_module, "_launch_plans", {})  # plans made with dense blocks
-        out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt,
-                                               out=out_buffer.transpose(0, 1))
+            assert not any(_dense(t, bt) for t in operands.values())
+        out, rstd = kernel_module.forward_impl(x, gate, weight, EPS, bt=bt, out=out_buffer)
         grads = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=bt, programs=3)
         results.append((out.clone(), rstd, *grads))
     for a, b in zip(*results):
@@ -748,3 +758,25 @@ def test_launch_plan_table_is_bounded(monkeypatch):
     for tokens in range(1, 7):  # a new token count per step: a new signature each
         kernel_module.forward_impl(x[:, :tokens], gate[:, :tokens], weight, EPS)
         assert len(kernel_module._launch_plans) <= 3
+
+
+def test_an_interpreter_that_cannot_run_the_backward_loop_is_named(monkeypatch):
+    """Triton 3.6's interpreter converts loop bounds with int() of a one-element array, which
+    newer NumPy refuses: the backward says so before its launch instead of failing inside it."""
+    import numpy
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    try:
+        int(numpy.zeros(1, dtype=numpy.int32))
+        refused = False
+    except TypeError:
+        refused = True
+    assert (kernel_module.interpreter_loop_problem() is not None) == refused
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    assert kernel_module.interpreter_loop_problem() is None
+    monkeypatch.setattr(kernel_module, "INTERPRETER_LOOP_PROBLEM", "the reason")
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    rstd = torch.ones(x.shape[:3], device=x.device)
+    with pytest.raises(RuntimeError, match="backward_impl: the reason"):
+        kernel_module.backward_impl(x, gate, weight, rstd, x)

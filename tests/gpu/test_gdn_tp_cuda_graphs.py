@@ -28,9 +28,13 @@ BF16_TOLERANCE = 8e-3  # one bf16 ulp of the largest element (core.testing.gdn_t
 EXPECTED_SCALE = {"tp2-sp": 1.0, "tp2": 2.0, "tp2-cuda-graph": 2.0}
 
 
-def _run(tmp_path, cuda_graphs: bool) -> list:
-    mp.spawn(spawn_worker, args=(TP, str(tmp_path / "rdv"), str(tmp_path), cuda_graphs),
-             nprocs=TP, join=True)
+def _run(tmp_path, cuda_graphs: bool, env: dict = None) -> list:
+    """Spawn the TP ranks (with ``env`` added to the environment they inherit); their results."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        mp.spawn(spawn_worker, args=(TP, str(tmp_path / "rdv"), str(tmp_path), cuda_graphs),
+                 nprocs=TP, join=True)
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False)
             for r in range(TP)]
 
@@ -41,7 +45,6 @@ def _check_matches_tp1(ranks: list, case: str) -> None:
         assert got.dtype == torch.float32  # grad_reduce_in_fp32
         err = rel_err(got, expected)
         assert err <= BF16_TOLERANCE, f"{case} rank {rank}: rel err {err:.2e} vs TP 1"
-        assert rel_err(2 * got, expected) > 0.5  # neither reduced twice nor left partial
         assert results[case]["grad_scale"] == EXPECTED_SCALE[case]
     assert torch.equal(ranks[0][case]["dw"], ranks[1][case]["dw"]), f"{case}: ranks differ"
 
@@ -77,11 +80,17 @@ def test_tp2_under_local_cuda_graphs_matches_tp1(gpu_ranks):
         assert rel_err(graphed["dw"], graphed["eager_dw"]) <= BF16_TOLERANCE
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= TP,
+                    reason="the GPU tests above run these cases over NCCL")
 def test_eager_cases_cpu_dry_run(tmp_path):
-    """The harness's eager cases (TP 2 + SP, TP 2) on gloo: the GPU test's code path runs."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU test above runs these cases over NCCL")
-    ranks = _run(tmp_path, cuda_graphs=False)
+    """The harness's eager cases (TP 2 + SP, TP 2) on gloo: the GPU test's code path runs. The
+    ranks see no GPU (on a machine with one GPU, too few for the GPU tests, as on one without)."""
+    from core.fusions.fused_gated_norm import interpreter_loop_problem
+
+    if interpreter_loop_problem():  # the ranks interpret the kernels
+        pytest.skip(interpreter_loop_problem())
+    ranks = _run(tmp_path, cuda_graphs=False,
+                 env={"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"})
     for case in ("tp2-sp", "tp2"):
         _check_matches_tp1(ranks, case)
 

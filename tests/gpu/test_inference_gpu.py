@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from core.fusions import fused_gdn_gated_rms_norm
-from core.fusions.gated_norm_reference import one_rounding_gated_norm
-from tools.bench_common import EPS
+from core.fusions.gated_norm_reference import one_rounding_gated_norm, ulp_distance
+from tests.gated_norm_inputs import EPS
 
 pytestmark = pytest.mark.gpu
 
@@ -23,6 +23,13 @@ def reference(x, z, weight):
     return one_rounding_gated_norm(split(x), split(z), weight, EPS).flatten(-2)
 
 
+def assert_matches_reference(out, ref):
+    """>= 99.9 % bitwise and every element within 1 ulp (docs/inference.md): with one rounding,
+    fp32 values a few fp32 ulps apart (the sum's order, the fast exp) round at most one ulp apart."""
+    assert (out == ref).float().mean().item() >= 0.999
+    assert ulp_distance(out, ref).max().item() <= 1
+
+
 def test_more_than_2_31_elements_in_place():
     tokens, width = 540_000, HEADS * DIM
     assert tokens * width > 2**31
@@ -34,7 +41,7 @@ def test_more_than_2_31_elements_in_place():
     refs = [reference(x[r], z[r], weight) for r in rows]
     fused_gdn_gated_rms_norm(x, z, weight, x, EPS, HEADS, DIM)
     for r, ref in zip(rows, refs):
-        assert (x[r] == ref).float().mean().item() >= 0.999
+        assert_matches_reference(x[r], ref)
 
 
 def test_cuda_graph_replay_matches_eager():
@@ -53,4 +60,4 @@ def test_cuda_graph_replay_matches_eager():
     fused_gdn_gated_rms_norm(x, z, weight, eager, EPS, HEADS, DIM)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    assert (out == reference(x, z, weight)).float().mean().item() >= 0.999
+    assert_matches_reference(out, reference(x, z, weight))

@@ -8,7 +8,13 @@ equals the reference gradient (sharded like the parameter) within fp32 tolerance
 and after megatron's optimizer step every parameter is bit-identical on the ranks holding the
 same shard (the GDN out_norm weight: on every rank). Two spawns in all (2 and 4 processes), each
 running all the layouts of its size, flag on and off; one reference computation per model and
-batch, in this process."""
+batch, in this process.
+
+On a machine with CUDA the matrix runs all the same, on the CPU: the spawned ranks and the
+reference (then spawned too) see no GPU (CUDA_VISIBLE_DEVICES="", the Triton interpreter), so
+they take the gloo / CPU path of the harness. tests/ssm/test_gdn_layouts_gpu.py runs the layouts
+the CPU cannot (or only through stand-ins) over NCCL. The few tests that build a model in this
+process need it to see no GPU, and are skipped where it does."""
 
 from core.testing.cpu import (init_cpu_model_parallel, install_cpu_fla_stand_ins,  # noqa: I001
                               install_cpu_shims)
@@ -16,15 +22,18 @@ from core.testing.cpu import (init_cpu_model_parallel, install_cpu_fla_stand_ins
 install_cpu_shims(training=True)
 install_cpu_fla_stand_ins()
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import os  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,  # noqa: E402
                                    layout_config, make_reference, partial_out_norm_grad,
-                                   replica_mismatches, run_case, spawn_layouts, thd_cp_indices)
+                                   reference_worker, replica_mismatches, run_case, spawn_layouts,
+                                   thd_cp_indices)
 
 WORLDS = {
     2: (
@@ -49,10 +58,26 @@ WORLDS = {
                model="gpt"),
     ),
 }
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="the gloo matrix is for CPU-only machines (CI); with CUDA the same harness runs over "
-           "NCCL, one GPU per rank: tests/ssm/test_gdn_layouts_gpu.py")
+HAS_CUDA = torch.cuda.is_available()
+# The environment of the spawned processes: no GPU, so the harness takes its gloo / CPU path
+# (core.testing.parallel.init_world, core.testing.cpu's shims) on any machine.
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+# Tests that build and run a model in this process: with CUDA visible here that model would be
+# a GPU one (other kernels, TF32 convolutions), not the CPU reference's.
+in_a_cpu_process = pytest.mark.skipif(
+    HAS_CUDA, reason="builds the model in the test process, which sees the GPU; the layout cases "
+                     "of this file run in spawned CPU processes there too")
+
+
+@contextlib.contextmanager
+def _spawned_processes_on_the_cpu():
+    """While the block spawns processes, they inherit an environment without a GPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CPU_ONLY_ENV.items():
+            patch.setenv(name, value)
+        yield
+
+
 CASES = [(layout, fused) for world in WORLDS.values() for layout in world
          for fused in (True, False)]
 CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
@@ -61,9 +86,21 @@ CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The TP 1 / CP 1 / one-stage reference: weights, batches and gradients (path, dict)."""
-    path = str(tmp_path_factory.mktemp("layouts") / "reference.pt")
-    init_cpu_model_parallel(tp_size=1)
-    return path, make_reference(path)
+    tmp = tmp_path_factory.mktemp("layouts")
+    path = str(tmp / "reference.pt")
+    if not HAS_CUDA:
+        init_cpu_model_parallel(tp_size=1)
+        return path, make_reference(path)
+    from core.fusions.fused_gated_norm import interpreter_loop_problem
+
+    if interpreter_loop_problem():  # the spawned processes interpret the kernels
+        pytest.skip(interpreter_loop_problem())
+    import torch.multiprocessing as mp
+
+    with _spawned_processes_on_the_cpu():  # this process sees the GPU: compute it in one that does not
+        mp.spawn(reference_worker, nprocs=1, join=True,
+                 args=(os.path.join(tmp, "rendezvous_reference"), path))
+    return path, torch.load(path, weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +111,8 @@ def worlds(reference, tmp_path_factory):
     def results(world_size: int) -> list:
         if world_size not in cache:
             out = tmp_path_factory.mktemp(f"world{world_size}")
-            cache[world_size] = spawn_layouts(WORLDS[world_size], reference[0], str(out))
+            with _spawned_processes_on_the_cpu():
+                cache[world_size] = spawn_layouts(WORLDS[world_size], reference[0], str(out))
         return cache[world_size]
 
     return results
@@ -121,6 +159,7 @@ def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused)
 # ----------------------------------------------------------------------------------------------
 
 
+@in_a_cpu_process
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_comparison_catches_unreduced_out_norm_gradient(reference, worlds, fused):
     """Give each TP 2 rank the out_norm gradient of its own heads only (what it holds when no
@@ -184,6 +223,7 @@ def _gdn(reference, **layout_changes):
     return module
 
 
+@in_a_cpu_process
 @pytest.mark.parametrize("deterministic, batch, message", [
     (True, 1, "Packed sequence does not support deterministic mode"),
     (False, 2, "Packed sequence expects batch dimension to be 1"),
@@ -198,6 +238,7 @@ def test_megatron_refuses_packed_sequences(reference, deterministic, batch, mess
         module(hidden, attention_mask=None, packed_seq_params=_packed_params(data["cu_seqlens"]))
 
 
+@in_a_cpu_process
 def test_packed_output_equals_each_sequence_alone(reference):
     """The packed reference computes each sequence as if alone (the stand-ins honour cu_seqlens
     and megatron's THD path keeps sequences apart)."""
@@ -210,6 +251,7 @@ def test_packed_output_equals_each_sequence_alone(reference):
         torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-6)
 
 
+@in_a_cpu_process
 def test_stand_ins_equal_megatron_deterministic_path(reference):
     """Without cu_seqlens the CPU stand-ins of FLA's kernels are megatron's deterministic_mode
     path: same output and gradients (sbhd, B = 2)."""
@@ -236,6 +278,7 @@ def test_thd_cp_indices():
         thd_cp_indices(torch.tensor([0, 6]), 2, 0)
 
 
+@in_a_cpu_process
 def test_fsdp_layout_refused_without_cuda(reference):
     """Megatron-FSDP runs on GPUs only (tests/ssm/test_gdn_layouts_gpu.py::fsdp-tp2): the harness
     says so before megatron fails on torch.cuda.current_device()."""

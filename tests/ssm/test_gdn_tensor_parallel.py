@@ -63,8 +63,6 @@ def _check_grad_matches_tp1(tp, ref, ranks, case, name):
     scale = ranks[0][name]["grad_scale"]
     partial_sum = sum(ranks[r][name]["before"] for r in range(tp)) / scale
     assert rel_err(partial_sum, expected.float()) <= tol
-    # never reduced twice, never left partial: twice / half the gradient would be far off
-    assert rel_err(2 * ranks[0][name]["after"].float(), expected.float()) > 0.5
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(c) for c in CASES])

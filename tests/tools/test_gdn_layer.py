@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,10 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     results = json.loads((tmp_path / "gdn_layer.json").read_text())
     assert {"parity", "perf", "breakdown"} <= set(results)
     assert results["graphs"] == {"skipped": "megatron's CUDA graphs need a GPU"}
-    assert all(entry["fwd_bwd_ms_min"] > 0 for entry in results["perf"].values())
+    for entry in results["perf"].values():  # the summaries are those of the recorded steps
+        steps = entry["fwd_bwd_ms_steps"]
+        assert entry["fwd_bwd_ms_min"] == min(steps)
+        assert entry["fwd_bwd_ms_median"] == statistics.median(steps)
     section = results["parity"]["norm_section"]
     assert section["out_bitwise_vs_eager"] == 1.0  # the CPU's summation orders agree
     assert set(section["rel_err_vs_float64"]) == {"out", "dx", "dgate", "dweight"}
@@ -49,13 +53,26 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
         off, on = results["perf"][f"{shape} off"], results["perf"][f"{shape} on"]
         assert 0 < on["kept_bytes_per_token"] <= off["kept_bytes_per_token"]
         assert len(off["fwd_bwd_ms_steps"]) == len(on["fwd_bwd_ms_steps"]) == 2  # CPU: 2 iters
-        assert on["paired_speedup_median"] > 0 and 0 <= on["pairs_faster_on"] <= 1
+        # the paired speed-up is that of the recorded step pairs (step i off against step i on)
+        ratios = [a / b for a, b in zip(off["fwd_bwd_ms_steps"], on["fwd_bwd_ms_steps"])]
+        assert on["paired_speedup_median"] == pytest.approx(statistics.median(ratios))
+        assert on["pairs_faster_on"] == sum(r > 1 for r in ratios) / len(ratios)
     # half the heads keep less per token
     assert results["perf"]["H=2 S=64 B=2 on"]["kept_bytes_per_token"] < \
         results["perf"]["S=64 B=2 on"]["kept_bytes_per_token"]
     for split in results["breakdown"].values():
-        assert split["unfused"]["kernel_ms"] > 0 and split["fused"]["kernel_ms"] > 0
-        assert split["unfused"]["copy_calls"] > split["fused"]["copy_calls"]  # the copies removed
+        for variant in ("unfused", "fused"):  # the totals add up the per-kernel times
+            times = split[variant]
+            assert times["kernels"], variant  # the profiler saw the section's kernels
+            assert times["kernel_ms"] == pytest.approx(sum(times["kernels"].values()))
+            assert times["kernel_ms"] == pytest.approx(
+                times["copies_ms"] + times["fills_ms"] + times["rest_ms"])
+        u, f = split["unfused"], split["fused"]
+        for gain, key in (("gain_wall_ms", "wall_ms"), ("gain_kernel_ms", "kernel_ms"),
+                          ("gain_from_kernels_ms", "rest_ms"), ("gain_from_copies_ms", "copies_ms"),
+                          ("gain_from_fills_ms", "fills_ms")):
+            assert split[gain] == pytest.approx(u[key] - f[key]), gain
+        assert u["copy_calls"] > f["copy_calls"]  # the copies removed
 
 
 def test_paired_speedup_compares_neighbouring_steps():

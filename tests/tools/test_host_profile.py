@@ -31,4 +31,3 @@ def test_host_profile_reports_own_work_from_its_timings():
                  + values["ref_same_signature_backward_us"] - trivial)
     assert values["same_signature_units"] == pytest.approx(
         signature / values["ref_torch_add_us"], rel=0.01, abs=0.02)
-    assert all(values[name] > 0 for name in ("forward_autograd_us", "ref_torch_add_us"))

@@ -461,14 +461,13 @@ def _keep_plan(key: tuple, plan):
     return plan
 
 
-def _plan_of(key: tuple, entry: str, activation):
-    """The kept plan of ``key``, or None. An option that cannot be a dict key (a list given as
-    the activation) is reported as the argument it is."""
+def _kept_plan(key: tuple):
+    """The kept plan of ``key``, or None: also for a key that holds an option no dict takes (a
+    list given as eps or the activation), which the checks of a new signature then name."""
     try:
         return _launch_plans.get(key)
     except TypeError:
-        check_activation(entry, activation)
-        raise
+        return None
 
 
 def _geometry(x, launch_rule, bt):
@@ -484,7 +483,7 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
            out.dtype, x.device, eps, zero_centered, activation, bt, warps, pdl)
-    plan = _plan_of(key, "forward_impl", activation)
+    plan = _kept_plan(key)
     if plan is not None:
         return plan
     # A new signature: its options are checked once, before its first launch.
@@ -507,7 +506,7 @@ def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, pr
     key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
            dy.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
            weight_grad_scale, dw_sum_pdl)
-    plan = _plan_of(key, "backward_impl", activation)
+    plan = _kept_plan(key)
     if plan is not None:
         return plan
     check_activation("backward_impl", activation)

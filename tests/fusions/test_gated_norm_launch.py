@@ -27,7 +27,7 @@ def h200(monkeypatch):
 
 
 def test_h200_parameters(h200):
-    """The swept choices (docs/benchmarks.md, Launch sweeps)."""
+    """The swept choices (docs/design.md, Launch choices)."""
     forward = functools.partial(launch.ForwardLaunch, pdl=True)
     assert launch.forward_launch(128, GPU) == forward(bt=16, warps=8, block_d=128)
     assert launch.forward_launch(256, GPU) == forward(bt=4, warps=4, block_d=256)

@@ -26,22 +26,24 @@ def make_inputs(shape, dtype=torch.bfloat16, weight_dtype=None, seed=0):
     return x, gate, weight
 
 
-def make_grad_inputs(shape, variant="plain", dtype=torch.bfloat16, seed=0):
+def make_grad_inputs(shape, variant="plain", dtype=torch.bfloat16, seed=0, device=None):
     """Inputs of a forward and backward at any size (the GPU checks, up to 2**31 elements and
-    more): x ~ N(0, 1), gate ~ N(0, 4), weight ~ 1 + N(0, 0.04) and dy ~ N(0, 1), drawn in
-    ``dtype`` on DEVICE by a private generator (no host copy of a large tensor; the default CUDA
-    generator is tied to graph capture state). The values differ from make_inputs's.
+    more; the benchmark tools too, through tools/bench_common.py): x ~ N(0, 1), gate ~ N(0, 4),
+    weight ~ 1 + N(0, 0.04) and dy ~ N(0, 1), drawn in ``dtype`` on ``device`` (default DEVICE)
+    by a private generator (no host copy of a large tensor; the default CUDA generator is tied
+    to graph capture state). The values differ from make_inputs's.
 
     variant "plain": x, gate and weight are the leaves that require grad; "strided_gate": the
     gate is the second half of a packed [B, S, 2 * H * D] projection (read in place by the
     kernels), and that projection is the leaf. Returns (x, gate, weight, dy, leaves)."""
     if variant not in ("plain", "strided_gate"):
         raise ValueError(f"make_grad_inputs: variant must be 'plain' or 'strided_gate', got {variant!r}")
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
     batch, seq, heads, dim = shape
 
     def randn(*size):
-        return torch.randn(size, device=DEVICE, dtype=dtype, generator=gen)
+        return torch.randn(size, device=device, dtype=dtype, generator=gen)
 
     x = randn(*shape).requires_grad_()
     if variant == "strided_gate":

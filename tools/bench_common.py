@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tests.gated_norm_inputs import make_grad_inputs
+
 EPS = 1e-6
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -75,28 +77,11 @@ def pct_of_ceiling(nbytes: int, us: float, ceiling_gbps: float) -> float:
 
 
 def make_inputs(shape, variant: str = "plain", seed: int = 0, device=None, dtype=DTYPE):
-    """Fresh random x, gate, weight (leaves requiring grad) and dy. variant 'strided_gate': the
-    gate is a slice of a packed [B, S, 2 * H * D] projection (read in place by the fused norm).
-    Returns (x, gate, weight, dy, leaves)."""
-    device = device or DEVICE
-    # A private generator: the default CUDA generator is tied to graph capture state.
-    gen = torch.Generator(device=device).manual_seed(seed)
-    b, s, h, d = shape
-
-    def randn(*size):
-        return torch.randn(size, device=device, dtype=dtype, generator=gen)
-
-    x = randn(*shape).requires_grad_()
-    if variant == "strided_gate":
-        packed = (2 * randn(b, s, 2 * h * d)).requires_grad_()
-        gate = packed[..., h * d:].unflatten(-1, (h, d))
-        leaves = (x, packed)
-    else:
-        gate = (2 * randn(*shape)).requires_grad_()
-        leaves = (x, gate)
-    weight = (1 + 0.2 * randn(d)).requires_grad_()
-    dy = randn(*shape)
-    return x, gate, weight, dy, (*leaves, weight)
+    """x, gate, weight (leaves requiring grad), dy and the leaves, on ``device`` (default: this
+    module's DEVICE): the GPU tests' ``make_grad_inputs``, one definition for both. Of the
+    benchmark's variants only "strided_gate" changes the inputs ("sbhd" is the output layout)."""
+    inputs = "strided_gate" if variant == "strided_gate" else "plain"
+    return make_grad_inputs(shape, inputs, dtype, seed, device or DEVICE)
 
 
 def bench(fn, rep: int = 100) -> float:

@@ -30,6 +30,9 @@ Layer level (``install_cpu_shims()``), all idempotent:
     (~20 s); replaced by a storage copy with the same observable result.
   * Triton's autotuner benchmarks through the GPU driver; on the CPU every config gets the
     same time, so the first config is picked.
+  * ``torch.cpu.device(index)``, a null context: fla-core 0.4 (what a ``megatron-core[dev]``
+    install picks) enters it on a host without CUDA, and torch has no such function (fla-core
+    0.6 uses a null context there itself).
 
 (``gdn_norm_out`` selective recompute without Transformer Engine needs no shim: the library's
 ``core.ssm.GatedDeltaNet`` turns its checkpoint's fp8 handling off itself.)
@@ -189,6 +192,8 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.cuda.current_device = lambda: "cpu"
+        if not hasattr(torch.cpu, "device"):
+            torch.cpu.device = lambda index: contextlib.nullcontext()
 
     import megatron.core.jit as mjit
 

@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` "
-                                   "on a machine with one (tests/gpu/README.md)")
+                                   "on a machine with one (tests/README.md)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -27,7 +27,7 @@ off, sequence parallelism, fp32/bf16 params, DDP grad_reduce_in_fp32 and the dis
 optimizer on and off), the out_norm dW after megatron's finalize_model_grads against TP = 1 and
 whether every rank holds the same bits.
 
-The pass/fail checks of the same quantities are tests/gpu/test_gdn_layer_gpu.py.
+The pass/fail checks of the same quantities are tests/ssm/test_gated_delta_net_gpu.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ backward, the stock ``finalize_model_grads``; the result is the out_norm ``main_
                      backward (the bwd graph adds the weight gradients to main_grad), step 2
                      replays both; its main_grad is the result. GPU only.
 
-Used by tests/gpu/test_gdn_tp_cuda_graphs.py.
+Used by tests/ssm/test_gdn_tp_cuda_graphs.py.
 """
 
 from __future__ import annotations

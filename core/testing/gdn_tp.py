@@ -15,7 +15,7 @@ loads its shard, runs the same step with sequence parallelism on or off and save
 the out_norm ``main_grad`` before and after finalize, the layer output.
 
 Used by tests/ssm/test_gdn_tensor_parallel.py (gloo, CPU, TP = 2 and 4 spawned processes) and by
-tools/gdn_layer.py --tp N and tests/gpu/test_gdn_layer_gpu.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
+tools/gdn_layer.py --tp N and tests/ssm/test_gated_delta_net_gpu.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
 training-level shims of ``core.testing.cpu`` (``install_cpu_shims(training=True)``): its grad
 buffer waits on CUDA streams.
 """

@@ -6,7 +6,7 @@ backward. core/testing/gdn_layer_tp.py has the cases.
 
 GPU (2 CUDA devices, NCCL):
 
-    python -m pytest tests/gpu/test_gdn_tp_cuda_graphs.py -m gpu -v
+    python -m pytest tests/ssm/test_gdn_tp_cuda_graphs.py -m gpu -v
 
 The eager cases also run on the CPU (gloo, Triton interpreter) as a dry run of the harness."""
 

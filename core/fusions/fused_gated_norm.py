@@ -888,14 +888,14 @@ def check_positive_number(entry: str, name: str, value) -> None:
                          f"({FP32_MIN_NORMAL:.6g} to {FP32_MAX:.6g}), got {value!r}")
 
 
-def check_activation(entry: str, activation) -> None:
-    """One of SUPPORTED_ACTIVATIONS: TypeError for a non-string, ValueError for another name
-    (the kernels select the activation by name and have no other)."""
+def check_activation(entry: str, activation, names: tuple = SUPPORTED_ACTIVATIONS) -> None:
+    """One of ``names`` (the entry's spellings of the kernels' activations): TypeError for a
+    non-string, ValueError for another name (the kernels select the activation by name and
+    have no other)."""
     if not isinstance(activation, str):
         raise TypeError(f"{entry}: activation must be a str, got {type(activation).__name__}")
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"{entry}: activation must be one of {SUPPORTED_ACTIVATIONS}, "
-                         f"got {activation!r}")
+    if activation not in names:
+        raise ValueError(f"{entry}: activation must be one of {names}, got {activation!r}")
 
 
 def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,

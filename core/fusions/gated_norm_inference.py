@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import (check_bool, check_head_dim, check_last_dim_stride,
-                                           check_operands, check_positive_number, check_rows,
-                                           check_tensors, dense_blocks, launch_gated_norm_fwd)
+from core.fusions.fused_gated_norm import (check_activation, check_bool, check_head_dim,
+                                           check_last_dim_stride, check_operands,
+                                           check_positive_number, check_rows, check_tensors,
+                                           dense_blocks, launch_gated_norm_fwd)
 from core.fusions.gated_norm_launch import forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
@@ -106,10 +107,7 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
             raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
     check_head_dim(_NAME, "head_v_dim", head_v_dim)
     check_bool(_NAME, "norm_before_gate", norm_before_gate)
-    if not isinstance(activation, str):
-        raise TypeError(f"{_NAME}: activation must be a str, got {type(activation).__name__}")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"{_NAME}: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
+    check_activation(_NAME, activation, tuple(_ACTIVATIONS))
 
     # Each metadata read is a call into torch: read each once, compare locals.
     width = num_v_heads * head_v_dim

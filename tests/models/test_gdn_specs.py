@@ -175,6 +175,35 @@ def test_te_specs_are_megatrons_with_our_gdn(monkeypatch):
     assert use_fused_gdn(block) is block
 
 
+@pytest.mark.parametrize("pipeline", [
+    dict(num_layers=8, pipeline_model_parallel_size=2),
+    dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    dict(num_layers=6, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t*5L"),
+], ids=["pp2", "pp2-vp2", "pp2-layout"])
+def test_local_block_slices_the_pipeline_as_megatron_does(pipeline):
+    """Each (pp_rank, vp_stage) of the no-TE block holds the layers megatron's own builder gives
+    that stage (its TE spec objects, built here without TE), for an even split, virtual stages
+    and an uneven pipeline_model_parallel_layout; the stages in model order make the pattern."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
+
+    from core.testing.specs import megatron_te_spec_builders
+
+    pattern = [1, 1, 0, 1, 0, 0, 1, 0][:pipeline["num_layers"]]  # 1 = GDN
+    config = gdn_config(linear_attention_freq=pattern, pipeline_dtype=torch.float32, **pipeline)
+    virtual = (0, 1) if "virtual_pipeline_model_parallel_size" in pipeline else (None,)
+    in_model_order = []
+    for vp_stage in virtual:
+        for pp_rank in (0, 1):
+            local = get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage,
+                                              pp_rank=pp_rank)
+            with megatron_te_spec_builders():
+                megatrons = mexp.get_transformer_block_with_experimental_attention_variant_spec(
+                    config, vp_stage=vp_stage, pp_rank=pp_rank)
+            assert _mixers(local) == _mixers(megatrons), (vp_stage, pp_rank)
+            in_model_order += _mixers(local)
+    assert in_model_order == ["GatedDeltaNet" if p else "SelfAttention" for p in pattern]
+
+
 def _leaf_objects(node, seen=None):
     import dataclasses
     import functools

@@ -178,6 +178,22 @@ def test_assert_fused_gdn_names_megatron_layers():
     assert_fused_gdn(_gpt(config, use_fused_gdn(spec)))  # ours: passes
 
 
+class TheirGDN(MegatronGDN):
+    """Someone else's subclass of megatron's layer: use_fused_gdn leaves it alone."""
+
+
+def test_assert_fused_gdn_names_a_foreign_subclass():
+    config = _config(fused_gated_norm=True)
+    spec = use_fused_gdn(te_to_local(_megatron_block_spec(config)))
+    mixer = spec.layer_specs[0].submodules.self_attention  # shared by the GDN layers 0 and 2
+    assert mixer is spec.layer_specs[2].submodules.self_attention
+    mixer.module = TheirGDN
+    model = _gpt(config, spec)
+    assert _gdn_types(model) == [TheirGDN] * 2
+    with pytest.raises(TypeError, match=r"decoder\.layers\.0\.self_attention \(.*TheirGDN\)"):
+        assert_fused_gdn(model)
+
+
 def test_assert_fused_gdn_zero_centring_override_and_no_op():
     override = _config(layernorm_zero_centered_gamma=True, gdn_out_norm_zero_centered_gamma=False)
     spec = te_to_local(_megatron_block_spec(override))

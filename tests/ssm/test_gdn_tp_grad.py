@@ -218,9 +218,21 @@ def test_module_refuses_a_reduction_it_cannot_complete(monkeypatch):
         gdn.GatedDeltaNet._complete_out_norm_tp_reduction(rank)
 
 
-def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(monkeypatch):
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+def _finalize_without_the_tp_step(finalize, monkeypatch):
     monkeypatch.delattr(finalize, "_allreduce_non_tensor_model_parallel_grads")
+
+
+def _finalize_whose_tp_step_takes_other_arguments(finalize, monkeypatch):
+    monkeypatch.setattr(finalize, "_allreduce_non_tensor_model_parallel_grads",
+                        lambda model, config, tp_group, dp_group: None)
+
+
+@pytest.mark.parametrize("change", [_finalize_without_the_tp_step,
+                                    _finalize_whose_tp_step_takes_other_arguments],
+                         ids=["missing", "other-signature"])
+def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(change, monkeypatch):
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    change(finalize, monkeypatch)
     with pytest.raises(RuntimeError, match="cannot tell how this megatron-core's finalize_model_grads"):
         megatron_tp_grad_reduction(_weight(), gdn_config(tensor_model_parallel_size=2),
                                    _TPGroupOfTwo())

@@ -17,50 +17,15 @@ from core.fusions import fused_gdn_gated_rms_norm
 from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
 from core.fusions.gated_norm_launch import forward_launch
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
+from tests.gated_norm_checks import (
+    assert_bitwise_or_within_ulps,
+    assert_no_less_accurate,
+    float64_grads,
+    gradients,
+)
 from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate, sbhd_view
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def assert_matches_unfused(out, ref):
-    """The contract: >= 99.9 % of elements bitwise equal, every element within 1 ulp."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    if out.dtype in LOW_PRECISION:
-        equal = (out == ref) | (out.isnan() & ref.isnan())
-        assert equal.float().mean().item() >= 0.999, f"only {equal.float().mean():.4%} bitwise equal"
-        finite = out.isfinite() & ref.isfinite()
-        assert ulp_distance(out[finite], ref[finite]).max().item() <= 1
-    else:
-        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
-
-
-def grads(fn, x, gate, weight, dy, zero_centered=False, activation="silu"):
-    """(dx, dgate, dweight) of ``fn`` (fused_gated_norm or unfused_gated_norm) at these inputs."""
-    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    out = fn(*leaves, EPS, zero_centered, activation=activation)
-    return torch.autograd.grad(out, leaves, dy)
-
-
-def float64_grads(x, gate, weight, dy, zero_centered, activation="silu"):
-    return grads(unfused_gated_norm, x.double(), gate.double(), weight.double(), dy.double(),
-                 zero_centered, activation)
-
-
-# An fp32 gradient (dW of an fp32 weight) carries no rounding to a low precision, only that of
-# its fp32 sum, whose order differs from autograd's: that alone puts it a couple of fp32 unit
-# roundings (u = 2**-24) off float64 either way (fused 1.3-3.4 u, unfused 1.1-2.3 u, over 12
-# seeds of test_gradients_no_less_accurate_than_unfused's w_fp32 cases). Rounding its terms to
-# bf16 / fp16 instead would cost ~1e3-1e4 u.
-FP32_SUM_SLACK = 4 * 2.0**-24
-
-
-def assert_no_less_accurate(fused, unfused, exact):
-    for name, f, u, e in zip(("dx", "dgate", "dweight"), fused, unfused, exact):
-        err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
-        # dW is summed in a different (fixed) order than autograd's: allow 1 % of the error; the
-        # absolute term covers an exact unfused result, or the fp32 sum order of an fp32 dW.
-        slack = FP32_SUM_SLACK if f.dtype == torch.float32 else 1e-10
-        assert err_fused <= 1.01 * err_unfused + slack, (name, err_fused, err_unfused)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -81,7 +46,7 @@ def test_forward_matches_unfused(dtype, weight_fp32, zero_centered, dim):
     if zero_centered:
         weight = weight - 1
     out = fused_gated_norm(x, gate, weight, EPS, zero_centered)
-    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS, zero_centered))
+    assert_bitwise_or_within_ulps(out, unfused_gated_norm(x, gate, weight, EPS, zero_centered))
 
 
 @pytest.mark.parametrize("dim", [128, 256, 1000, 1024, 3000, 8192])  # up to MAX_HEAD_DIM
@@ -89,9 +54,9 @@ def test_head_dims_forward_and_backward(dim):
     x, gate, weight = make_inputs((1, 3, 2, dim), torch.bfloat16)
     dy = make_inputs(x.shape, torch.bfloat16, seed=4)[0]
     out = fused_gated_norm(x, gate, weight, EPS)
-    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS))
-    assert_no_less_accurate(grads(fused_gated_norm, x, gate, weight, dy),
-                            grads(unfused_gated_norm, x, gate, weight, dy),
+    assert_bitwise_or_within_ulps(out, unfused_gated_norm(x, gate, weight, EPS))
+    assert_no_less_accurate(gradients(fused_gated_norm, x, gate, weight, dy),
+                            gradients(unfused_gated_norm, x, gate, weight, dy),
                             float64_grads(x, gate, weight, dy, False))
 
 
@@ -104,7 +69,7 @@ def test_bf16_rounding_is_to_nearest_even_not_truncation():
     truncated = (unfused_gated_norm(x.float(), gate.float(), weight.float(), EPS)
                  .view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
     assert not torch.equal(ref, truncated)  # the check below can tell the two apart
-    assert_matches_unfused(out, ref)
+    assert_bitwise_or_within_ulps(out, ref)
 
 
 def test_nan_and_inf_propagate_like_the_reference():
@@ -116,7 +81,7 @@ def test_nan_and_inf_propagate_like_the_reference():
     out = fused_gated_norm(x, gate, weight, EPS)
     ref = unfused_gated_norm(x, gate, weight, EPS)
     assert torch.equal(out.isnan(), ref.isnan())
-    assert_matches_unfused(out, ref)
+    assert_bitwise_or_within_ulps(out, ref)
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -144,11 +109,11 @@ def test_strided_layouts_forward_and_backward(layout, out_layout, dtype):
     ref_leaves = [t.detach().contiguous().requires_grad_() for t in (x, gate, weight)]
     ref = unfused_gated_norm(*ref_leaves, EPS)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dy.contiguous())
-    assert_matches_unfused(out, ref)
+    assert_bitwise_or_within_ulps(out, ref)
     if out_layout == "sbhd":
         assert out.transpose(0, 1).is_contiguous()
     for got, want in zip(grads[:2], ref_grads[:2]):
-        assert_matches_unfused(got, want)
+        assert_bitwise_or_within_ulps(got, want)
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=1e-2, atol=1e-2)
 
 
@@ -167,7 +132,7 @@ def test_backward_takes_a_gradient_whose_last_dim_is_strided(dtype):
     ref_grads = torch.autograd.grad(unfused_gated_norm(*ref_leaves, EPS), ref_leaves,
                                     dy.contiguous())
     for got, want in zip(grads[:2], ref_grads[:2]):
-        assert_matches_unfused(got, want)
+        assert_bitwise_or_within_ulps(got, want)
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=1e-2, atol=1e-2)
 
 
@@ -329,8 +294,8 @@ def test_gradients_no_less_accurate_than_unfused(dtype, weight_fp32, zero_center
     either (docs/numerics.md, Backward)."""
     x, gate, weight = make_inputs((2, 8, 4, dim), dtype, torch.float32 if weight_fp32 else None)
     dy = make_inputs(x.shape, dtype, seed=11)[0]
-    assert_no_less_accurate(grads(fused_gated_norm, x, gate, weight, dy, zero_centered),
-                            grads(unfused_gated_norm, x, gate, weight, dy, zero_centered),
+    assert_no_less_accurate(gradients(fused_gated_norm, x, gate, weight, dy, zero_centered),
+                            gradients(unfused_gated_norm, x, gate, weight, dy, zero_centered),
                             float64_grads(x, gate, weight, dy, zero_centered))
 
 
@@ -338,7 +303,7 @@ def test_gradients_no_less_accurate_than_unfused(dtype, weight_fp32, zero_center
 def test_fp32_gradients_close_to_float64(zero_centered):
     x, gate, weight = make_inputs((2, 6, 3, 96), torch.float32)
     dy = make_inputs(x.shape, torch.float32, seed=5)[0]
-    fused = grads(fused_gated_norm, x, gate, weight, dy, zero_centered)
+    fused = gradients(fused_gated_norm, x, gate, weight, dy, zero_centered)
     for name, f, e in zip(("dx", "dgate", "dweight"), fused, float64_grads(x, gate, weight, dy, zero_centered)):
         assert relative_error(f, e) < 5e-6, name
 
@@ -347,11 +312,11 @@ def test_sigmoid_activation_forward_and_backward():
     x, gate, weight = make_inputs((2, 6, 2, 64), torch.bfloat16)
     dy = make_inputs(x.shape, torch.bfloat16, seed=3)[0]
     out = fused_gated_norm(x, gate, weight, EPS, activation="sigmoid")
-    assert_matches_unfused(out, unfused_gated_norm(x, gate, weight, EPS, activation="sigmoid"))
+    assert_bitwise_or_within_ulps(out, unfused_gated_norm(x, gate, weight, EPS, activation="sigmoid"))
     # The backward's contract, as for silu: no less accurate than the unfused path (on the GPU
     # torch's sigmoid backward multiplies in another order, so bits may differ).
-    assert_no_less_accurate(grads(fused_gated_norm, x, gate, weight, dy, activation="sigmoid"),
-                            grads(unfused_gated_norm, x, gate, weight, dy, activation="sigmoid"),
+    assert_no_less_accurate(gradients(fused_gated_norm, x, gate, weight, dy, activation="sigmoid"),
+                            gradients(unfused_gated_norm, x, gate, weight, dy, activation="sigmoid"),
                             float64_grads(x, gate, weight, dy, False, "sigmoid"))
 
 

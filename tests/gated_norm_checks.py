@@ -1,0 +1,66 @@
+"""The accuracy rules the gated norm's tests hold the fused paths to (docs/numerics.md), shared
+by the CPU tests and the GPU checks of the kernels, the inference entry and the GDN layer:
+
+- ``assert_bitwise_or_within_ulps``: a low-precision output against its reference, most
+  elements bitwise equal and every element within a few ulps (the fp32 sum order, or the GPU's
+  fast exp, may flip a rounding); fp32 outputs within 2e-6.
+- ``assert_no_less_accurate``: gradients against float64 (``float64_grads``), the fused error
+  at most the unfused one's plus 1 % (dW is summed in another, fixed order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
+from tests.gated_norm_inputs import EPS
+
+# An fp32 gradient (dW of an fp32 weight) carries no rounding to a low precision, only that of
+# its fp32 sum, whose order differs from autograd's: that alone puts it a couple of fp32 unit
+# roundings (u = 2**-24) off float64 either way (fused 1.3-3.4 u, unfused 1.1-2.3 u on the
+# fp32-weight cases of tests/fusions/test_fused_gated_norm.py). Rounding its terms to bf16 /
+# fp16 instead would cost ~1e3-1e4 u.
+FP32_SUM_SLACK = 4 * 2.0**-24
+
+
+def bitwise_share(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The share of elements of ``out`` bitwise equal to ``ref`` (a NaN equals a NaN)."""
+    return ((out == ref) | (out.isnan() & ref.isnan())).float().mean().item()
+
+
+def assert_bitwise_or_within_ulps(out, ref, max_ulps: int | None = 1, min_bitwise: float = 0.999):
+    """``out`` has ``ref``'s dtype and shape; in bf16 / fp16 at least ``min_bitwise`` of its
+    elements are bitwise equal to ``ref``'s and every finite one is within ``max_ulps`` (None:
+    no ulp bound, for dx, which cancels near zero); in fp32 it is within 2e-6 (rtol and atol)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+        return
+    share = bitwise_share(out, ref)
+    assert share >= min_bitwise, f"only {share:.6%} bitwise equal"
+    finite = out.isfinite() & ref.isfinite()
+    if max_ulps is not None and finite.any():
+        worst = ulp_distance(out[finite], ref[finite]).max().item()
+        assert worst <= max_ulps, f"{worst} ulps apart"
+
+
+def gradients(fn, x, gate, weight, dy, zero_centered=False, activation="silu") -> tuple:
+    """(dx, dgate, dweight) of ``fn`` (fused_gated_norm or unfused_gated_norm) at these inputs."""
+    leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
+    out = fn(*leaves, EPS, zero_centered, activation=activation)
+    return torch.autograd.grad(out, leaves, dy)
+
+
+def float64_grads(x, gate, weight, dy, zero_centered=False, activation="silu") -> tuple:
+    """(dx, dgate, dweight) of the unfused gated norm evaluated in float64."""
+    return gradients(unfused_gated_norm, x.double(), gate.double(), weight.double(), dy.double(),
+                     zero_centered, activation)
+
+
+def assert_no_less_accurate(fused, unfused, exact, names=("dx", "dgate", "dweight")):
+    """For each gradient: its error against float64 (``exact``) at most the unfused one's, plus
+    1 %; the absolute term covers an exact unfused result, or the sum order of an fp32 dW."""
+    for name, f, u, e in zip(names, fused, unfused, exact, strict=True):
+        err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
+        slack = FP32_SUM_SLACK if f.dtype == torch.float32 else 1e-10
+        assert err_fused <= 1.01 * err_unfused + slack, (name, err_fused, err_unfused)

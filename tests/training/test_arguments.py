@@ -125,18 +125,22 @@ def test_args_without_our_provider_refused(monkeypatch):
         transformer_config_from_args(args)
 
 
-def test_megatron_config_classes_refused(monkeypatch):
-    args = megatron_args(monkeypatch, "--fused-gated-norm")
-    args = copy.copy(args)
-    args.multi_latent_attention = True
-    with pytest.raises(ValueError, match="--multi-latent-attention makes megatron build"):
+@pytest.mark.parametrize("flag, name, value", [
+    ("--multi-latent-attention", "multi_latent_attention", True),
+    ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", "layers.json"),
+])
+def test_megatron_config_classes_refused(monkeypatch, flag, name, value):
+    args = copy.copy(megatron_args(monkeypatch, "--fused-gated-norm"))
+    setattr(args, name, value)
+    with pytest.raises(ValueError, match=f"{flag} makes megatron build"):
         transformer_config_from_args(args)
 
 
 def test_argument_group_factory_takes_our_config():
     """megatron builds its transformer flags with ArgumentGroupFactory(TransformerConfig,
     exclude=...): with our config in its place and the same exclusions it builds the same flags
-    plus ours (string annotations made every field fail with "'bool' is not callable")."""
+    plus ours. Every field's annotation must be a type, not a string: the factory calls it to
+    convert the flag's value ("'bool' is not callable" otherwise)."""
     assert not [f.name for f in dataclasses.fields(TransformerConfig) if isinstance(f.type, str)]
     megatron_parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     group = next(g for g in megatron_parser._action_groups

@@ -862,6 +862,9 @@ def check_tensors(entry: str, named: tuple) -> None:
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
+                            f"{t.layout}")
 
 
 def check_bool(entry: str, name: str, value) -> None:
@@ -925,11 +928,24 @@ def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.T
     if device.type != kernel_device:
         raise ValueError(f"{entry}: x must be a {kernel_device.upper()} tensor {DEVICE_RULE}, "
                          f"got device {device}")
+    if not INTERPRETED:
+        check_current_device(entry, device, torch.cuda.current_device())
     if weight.shape != (dim,):
         raise ValueError(f"{entry}: weight must have shape ({dim},) (one value per element of a "
                          f"head), got {tuple(weight.shape)}")
     if dim and weight.stride()[0] != 1:
         raise ValueError(f"{entry}: weight must be contiguous, got stride {weight.stride()}")
+
+
+def check_current_device(entry: str, device: torch.device, current: int) -> None:
+    """x is on the current CUDA device (ValueError): a kernel launches there, on its stream, so
+    another device's addresses would be read from the wrong GPU."""
+    if device.index != current:
+        raise ValueError(
+            f"{entry}: x must be on the current CUDA device (cuda:{current}), where the kernels "
+            f"launch, got {device}; make it current first (torch.cuda.set_device, or `with "
+            "torch.cuda.device(x.device):`)"
+        )
 
 
 def check_head_dim(entry: str, dim_name: str, dim: int) -> None:
@@ -964,7 +980,9 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
 
     ``module`` needs ``config`` (a TransformerConfig) and ``out_norm`` (the weight holder); the
     gate activation is its ``act_fn`` (what megatron's unfused path applies), else
-    ``config.activation_func``."""
+    ``config.activation_func``. Where the module says whether the kernel centres the weight
+    (``out_norm_zero_centered``, ours) and out_norm says whether it does
+    (``zero_centered_gamma``), the two must agree."""
     config = module.config
     if config.normalization != "RMSNorm":
         raise ValueError(
@@ -988,6 +1006,14 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
         raise ValueError(
             f"fused_gated_norm requires out_norm.weight of shape ({head_dim},) "
             f"(linear_value_head_dim), got {tuple(weight.shape)}"
+        )
+    zero_centered = getattr(module, "out_norm_zero_centered", None)  # what the kernel applies
+    norm_zero_centered = getattr(norm, "zero_centered_gamma", None)
+    if (zero_centered is not None and norm_zero_centered is not None
+            and bool(norm_zero_centered) != zero_centered):
+        raise ValueError(
+            f"fused_gated_norm requires out_norm.zero_centered_gamma ({norm_zero_centered}) to "
+            f"equal the module's out_norm_zero_centered ({zero_centered}), set from the config"
         )
     norm_eps = norm_epsilon(norm)
     if norm_eps is not None and norm_eps != config.layernorm_epsilon:

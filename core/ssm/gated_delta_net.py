@@ -27,13 +27,16 @@ Both paths (flag on and off) also get:
     added. See :func:`megatron_tp_grad_reduction`;
   * ``gdn_norm_out`` selective recompute without Transformer Engine (see
     :attr:`GatedDeltaNet.norm_out_checkpoint`);
-  * out_norm's forward pre-hooks run with its weight in place before that weight is read, as a
-    call of out_norm would run them: megatron's DDP with ``overlap_param_gather`` waits there
-    for the weight's all-gather (:func:`run_forward_pre_hooks`).
+  * out_norm's hooks run as a call of out_norm would run them, each once per forward, its
+    forward pre-hooks with its weight in place before that weight is read (megatron's DDP with
+    ``overlap_param_gather`` waits there for the weight's all-gather). On the fused path, which
+    never calls out_norm, its forward hooks get the fused output; backward hooks, or a
+    pre-hook that replaces the input, are refused there (RuntimeError).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import importlib
@@ -97,34 +100,55 @@ def weight_read_as(module: torch.nn.Module, tensor: torch.Tensor) -> Iterator[No
         slots["weight"] = param
 
 
-def run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
-    """Run the forward pre-hooks that ``module(*args)`` would run (the global ones, then the
-    module's own, in registration order), for a caller that reads ``module``'s parameters without
-    calling it. Megatron's DistributedDataParallel with ``overlap_param_gather`` registers one on
-    every module: it waits for the all-gather of the module's parameters (found through
-    ``module.parameters(recurse=False)``) before they are read.
+_module_hooks = torch.nn.modules.module
 
-    The fused path computes the norm and the gate in one kernel, so a hook that replaces the
-    norm's input has nothing to apply to: RuntimeError, instead of silently dropping it."""
+
+def run_forward_pre_hooks(module: torch.nn.Module, args: tuple, *,
+                          global_hooks: bool = True) -> tuple:
+    """Run the forward pre-hooks that ``module(*args)`` would run (with ``global_hooks``, the
+    global ones first, then the module's own, in registration order) and return the arguments
+    they leave, as ``module(*args)`` would pass them on, for a caller that reads ``module``'s
+    parameters itself. Megatron's DistributedDataParallel with ``overlap_param_gather``
+    registers one on every module: it waits for the all-gather of the module's parameters
+    (found through ``module.parameters(recurse=False)``) before they are read."""
     hooks = module._forward_pre_hooks
-    global_hooks = torch.nn.modules.module._global_forward_pre_hooks
-    if not hooks and not global_hooks:
-        return
+    if global_hooks and _module_hooks._global_forward_pre_hooks:
+        hooks = {**_module_hooks._global_forward_pre_hooks, **hooks}
     with_kwargs = module._forward_pre_hooks_with_kwargs
-    for hook_id, hook in (*global_hooks.items(), *hooks.items()):
+    for hook_id, hook in hooks.items():
         if hook_id in with_kwargs:
             result = hook(module, args, {})
-            new_args = None if result is None else result[0]
+            if result is not None:
+                args = result[0]
         else:
             result = hook(module, args)
-            new_args = result if result is None or isinstance(result, tuple) else (result,)
-        if new_args is not None and (len(new_args) != len(args)
-                                     or any(a is not b for a, b in zip(new_args, args))):
-            raise RuntimeError(
-                f"GatedDeltaNet: a forward pre-hook of out_norm ({hook!r}) replaces the norm's "
-                "input; the fused output norm computes norm and gate in one kernel and cannot "
-                "apply it. Turn fused_gated_norm off for this model."
-            )
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args
+
+
+def run_forward_hooks(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Run the forward hooks that ``module(*args)`` would run after its forward (the global ones,
+    then the module's own) on ``output``; return the output they leave (a hook may return a
+    replacement, e.g. Megatron-FSDP's view that carries its pre-backward unshard hook)."""
+    hooks = {**_module_hooks._global_forward_hooks, **module._forward_hooks}
+    with_kwargs = module._forward_hooks_with_kwargs
+    for hook_id, hook in hooks.items():
+        result = hook(module, args, {}, output) if hook_id in with_kwargs else hook(module, args, output)
+        if result is not None:
+            output = result
+    return output
+
+
+def _has_backward_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._backward_hooks or module._backward_pre_hooks
+                or _module_hooks._global_backward_hooks
+                or _module_hooks._global_backward_pre_hooks)
+
+
+def _has_forward_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks
+                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_forward_hooks)
 
 
 class _ReductionProbe(torch.Tensor):
@@ -341,24 +365,89 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         if not self.fused_gated_norm:
             if scale == 1.0:
                 return super()._apply_gated_norm(x, gate)
-            # megatron's norm + gate, its norm module reading the weight through scale_grad. The
-            # hooks see the parameter here; megatron's call of out_norm runs them again on the
-            # swapped slot, where DDP's (which acts on Parameters only) finds nothing to wait for.
-            run_forward_pre_hooks(self.out_norm, (x,))
-            with weight_read_as(self.out_norm, scale_grad(self.out_norm.weight, scale)):
-                return super()._apply_gated_norm(x, gate)
+            return self._apply_unfused_gated_norm_scaled(x, gate, scale)
         activation = validate_gated_norm(self, x, gate)  # and fused_gated_norm's input checks
-        run_forward_pre_hooks(self.out_norm, (x,))  # out_norm is never called on this path
+        norm = self.out_norm
+        hooked = _has_forward_hooks(norm)
+        if hooked or _has_backward_hooks(norm):
+            args = self._run_out_norm_pre_hooks(x)
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
         # .contiguous() that follows in _gated_norm_and_a2a is then free. The kernel multiplies
         # dW by the scale before its single rounding.
-        return apply_validated_gated_norm(
+        out = apply_validated_gated_norm(
             x,
             gate,
-            self.out_norm.weight,
+            norm.weight,
             self.config.layernorm_epsilon,
             self.out_norm_zero_centered,
             "sbhd",
             activation,
             weight_grad_scale=scale,
         )
+        return self._run_out_norm_forward_hooks(args, out) if hooked else out
+
+    def _run_out_norm_pre_hooks(self, x) -> tuple:
+        """out_norm is never called on the fused path, so its hooks run here, around the kernel:
+        its forward pre-hooks before its weight is read, with the input megatron's call would
+        give it (megatron's DDP with ``overlap_param_gather`` waits there for the weight's
+        all-gather). A hook that replaces that input, or a backward hook, has nothing to act on
+        inside the one kernel: RuntimeError."""
+        norm = self.out_norm
+        if _has_backward_hooks(norm):
+            raise RuntimeError(
+                "GatedDeltaNet: out_norm (or every module) has backward hooks; the fused output "
+                "norm computes out_norm's gradient inside one kernel and cannot run them. Turn "
+                "fused_gated_norm off for this model."
+            )
+        args = (x.reshape(-1, x.shape[-1]),)
+        after = run_forward_pre_hooks(norm, args)
+        if len(after) != 1 or after[0] is not args[0]:
+            raise RuntimeError(
+                "GatedDeltaNet: a forward pre-hook of out_norm replaces the norm's input; the "
+                "fused output norm computes norm and gate in one kernel and cannot apply it. Turn "
+                "fused_gated_norm off for this model."
+            )
+        return args
+
+    def _run_out_norm_forward_hooks(self, args, out):
+        """out_norm's forward hooks, given the fused output (the gated norm, [B, S, H, D]: the
+        one output this path computes). A hook may return a replacement of the same shape,
+        dtype and device, such as Megatron-FSDP's view that carries its pre-backward unshard."""
+        result = run_forward_hooks(self.out_norm, args, out)
+        if result is not out and not (isinstance(result, torch.Tensor) and result.shape == out.shape
+                                      and result.dtype == out.dtype
+                                      and result.device == out.device):
+            raise RuntimeError(
+                "GatedDeltaNet: a forward hook of out_norm returned "
+                f"{type(result).__name__} {getattr(result, 'shape', '')} in place of the fused "
+                f"output {tuple(out.shape)} {out.dtype}; the fused output norm can only pass on "
+                "an output of the same shape, dtype and device. Turn fused_gated_norm off for "
+                "this model."
+            )
+        return result
+
+    def _apply_unfused_gated_norm_scaled(self, x, gate, scale):
+        """megatron's norm + gate, its norm reading the weight through ``scale_grad``. out_norm's
+        own forward pre-hooks run first, with the parameter in place (megatron's DDP waits there
+        for the weight's all-gather, and acts on Parameters only); inside megatron's call of
+        out_norm, where the slot holds the scaled tensor, they are set aside so that none runs
+        twice. A hook's replacement input is what megatron's call gets, as in ``out_norm(x)``.
+        Global hooks and forward hooks run inside megatron's call as usual."""
+        norm = self.out_norm
+        own_hooks = norm._forward_pre_hooks
+        if own_hooks:
+            (x_rows,) = run_forward_pre_hooks(norm, (x.reshape(-1, x.shape[-1]),),
+                                              global_hooks=False)
+            x = x_rows.reshape(x.shape)  # megatron's _apply_gated_norm reshapes it back
+            # One empty table per module, so that a compiled megatron _apply_gated_norm sees
+            # the same (empty) hooks every call.
+            norm._forward_pre_hooks = self.__dict__.setdefault("_out_norm_hooks_set_aside",
+                                                               collections.OrderedDict())
+        try:
+            with weight_read_as(norm, scale_grad(norm.weight, scale)):
+                return super()._apply_gated_norm(x, gate)
+        finally:
+            if own_hooks:
+                own_hooks.update(norm._forward_pre_hooks)  # registered during the call
+                norm._forward_pre_hooks.clear()
+                norm._forward_pre_hooks = own_hooks

@@ -433,6 +433,8 @@ def _bad_inputs():
         "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), TypeError, "eps must be a Python float or int"),
         "eps_str": ((x, gate, weight, "1e-6"), TypeError, "eps must be a Python float or int"),
         "not_tensor": ((x.tolist(), gate, weight, EPS), TypeError, "x must be a torch.Tensor"),
+        "sparse_gate": ((x, gate.to_sparse(), weight, EPS), TypeError,
+                        "gate must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
         # zero_centered selects a compiled variant: only a bool, never a truth value.
         **{f"zero_centered_{name}": ((x, gate, weight, EPS, value), TypeError,
                                      "zero_centered must be a bool")
@@ -521,6 +523,33 @@ def _gdn_stand_in(norm_eps: dict, value_heads=8, **module_attrs):
     weight = make_inputs((1, 64), torch.bfloat16)[2]
     return SimpleNamespace(config=config, out_norm=SimpleNamespace(weight=weight, bias=None, **norm_eps),
                            **module_attrs)
+
+
+def test_kernels_take_tensors_of_the_current_cuda_device_only():
+    """Checked on the GPU before every launch (check_operands), here with the device numbers."""
+    kernel_module.check_current_device("fused_gated_norm", torch.device("cuda", 1), 1)
+    with pytest.raises(ValueError, match=r"x must be on the current CUDA device \(cuda:0\), where "
+                                         r"the kernels launch, got cuda:1"):
+        kernel_module.check_current_device("fused_gated_norm", torch.device("cuda", 1), 0)
+
+
+@pytest.mark.parametrize("norm_zero_centered", [None, False, True])
+@pytest.mark.parametrize("module_zero_centered", [None, False, True])
+def test_validation_compares_the_norms_zero_centring_with_the_module(norm_zero_centered,
+                                                                     module_zero_centered):
+    """out_norm replaced after construction by a norm that centres otherwise is refused: the
+    kernel applies the module's choice. Either side unknown (megatron's class, a norm without
+    the attribute): nothing to compare."""
+    x, gate, _ = make_inputs((1, 2, 8, 64), torch.bfloat16)
+    norm = {} if norm_zero_centered is None else {"zero_centered_gamma": norm_zero_centered}
+    attrs = {} if module_zero_centered is None else {"out_norm_zero_centered": module_zero_centered}
+    module = _gdn_stand_in({"eps": EPS, **norm}, **attrs)
+    if None in (norm_zero_centered, module_zero_centered) or norm_zero_centered == module_zero_centered:
+        kernel_module.validate_gated_norm(module, x, gate)
+    else:
+        with pytest.raises(ValueError, match="requires out_norm.zero_centered_gamma .* to equal the "
+                                             "module's out_norm_zero_centered"):
+            kernel_module.validate_gated_norm(module, x, gate)
 
 
 @pytest.mark.parametrize("attr", ["eps", "epsilon", "variance_epsilon"])

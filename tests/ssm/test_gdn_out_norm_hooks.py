@@ -1,0 +1,193 @@
+"""out_norm's forward pre-hooks run before its weight is read, on every path of
+GatedDeltaNet._apply_gated_norm: the fused one never calls out_norm, and the scaled unfused one
+swaps its weight slot. Megatron's DDP with ``overlap_param_gather`` waits for a parameter's
+all-gather in such a hook; skipping it would let the norm read a stale weight."""
+
+from core.testing.cpu import cpu_tensor_types, init_cpu_model_parallel, install_cpu_shims
+
+install_cpu_shims()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from core.ssm.gated_delta_net import (  # noqa: E402
+    TP_AVG_TAG,
+    run_forward_hooks,
+    run_forward_pre_hooks,
+)
+from core.testing.gdn import build_gdn_module, gdn_config  # noqa: E402
+
+PATHS = [(False, 1.0), (False, 2.0), (True, 1.0), (True, 2.0)]
+PATH_IDS = ["unfused", "unfused-scaled", "fused", "fused-scaled"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_parallel():
+    init_cpu_model_parallel(tp_size=1)
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(2, 3, 4, 16, generator=gen).bfloat16(),
+            torch.randn(2, 3, 4, 16, generator=gen).bfloat16())
+
+
+def _set_scale(module, scale):
+    """As on a TP rank whose partial dW megatron leaves unreduced (scale 2) or TP 1 (scale 1)."""
+    module.out_norm_weight_grad_scale = scale
+    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
+
+
+def test_hooks_run_in_order_with_the_arguments():
+    module = torch.nn.Linear(2, 2)
+    x = torch.randn(2)
+    seen = []
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, args: seen.append(("global", m, args))),
+        module.register_forward_pre_hook(lambda m, args: seen.append(("plain", m, args))),
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(("kwargs", m, args)) or (args, kwargs),
+            with_kwargs=True),
+        module.register_forward_pre_hook(lambda m, args: args),  # hands the same input back
+    ]
+    try:
+        run_forward_pre_hooks(module, (x,))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [name for name, _, _ in seen] == ["global", "plain", "kwargs"]
+    assert all(m is module and args[0] is x for _, m, args in seen)
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True], ids=["plain", "with_kwargs"])
+def test_a_hook_may_replace_the_input(with_kwargs):
+    module = torch.nn.Linear(2, 2)
+    if with_kwargs:
+        module.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 2,), kwargs),
+                                         with_kwargs=True)
+    else:
+        module.register_forward_pre_hook(lambda m, args: args[0] * 2)
+    x = torch.randn(2)
+    (replaced,) = run_forward_pre_hooks(module, (x,))
+    assert torch.equal(replaced, x * 2)
+
+
+def test_forward_hooks_run_in_order_and_may_replace_the_output():
+    module = torch.nn.Linear(2, 2)
+    x, out = torch.randn(2), torch.randn(2)
+    seen = []
+    handles = [
+        torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, output: seen.append(("global", output))),
+        module.register_forward_hook(lambda m, args, output: seen.append(("plain", output))),
+        module.register_forward_hook(lambda m, args, kwargs, output: output * 3, with_kwargs=True),
+        module.register_forward_hook(lambda m, args, output: seen.append(("last", output))),
+    ]
+    try:
+        result = run_forward_hooks(module, (x,), out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [name for name, _ in seen] == ["global", "plain", "last"]
+    assert seen[0][1] is out and torch.equal(seen[2][1], out * 3) and seen[2][1] is result
+
+
+@pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
+def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
+    """As megatron's call ``out_norm(x.reshape(-1, D))`` runs them: each pre-hook and forward
+    hook once per forward, on the [tokens * heads, D] input."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    _set_scale(module, scale)
+    calls = []
+    module.out_norm.register_forward_pre_hook(lambda m, args: calls.append(("pre", args[0].shape)))
+    module.out_norm.register_forward_hook(lambda m, args, out: calls.append(("post", args[0].shape)))
+    x, gate = _inputs()
+    module._apply_gated_norm(x, gate)
+    rows = (x.numel() // x.shape[-1], x.shape[-1])
+    assert calls == [("pre", rows), ("post", rows)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["unfused", "unfused-scaled"])
+def test_unfused_paths_apply_a_replaced_input_once(scale):
+    module = build_gdn_module(gdn_config(fused_gated_norm=False))
+    _set_scale(module, scale)
+    x, gate = _inputs()
+    want = module._apply_gated_norm(x * 2, gate)
+    module.out_norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    assert torch.equal(module._apply_gated_norm(x, gate), want)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["fused", "fused-scaled"])
+def test_fused_path_refuses_hooks_it_cannot_honour(scale):
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    _set_scale(module, scale)
+    x, gate = _inputs()
+    handle = module.out_norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    with pytest.raises(RuntimeError, match="replaces the norm's input"):
+        module._apply_gated_norm(x, gate)
+    handle.remove()
+    handle = module.out_norm.register_forward_hook(lambda m, args, out: out.flatten())
+    with pytest.raises(RuntimeError, match="in place of the fused output"):
+        module._apply_gated_norm(x, gate)
+    handle.remove()
+    handle = module.out_norm.register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(RuntimeError, match="has backward hooks"):
+        module._apply_gated_norm(x, gate)
+    handle.remove()
+    module._apply_gated_norm(x, gate)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["fused", "fused-scaled"])
+def test_fused_output_carries_a_forward_hooks_pre_backward_hook(scale):
+    """Megatron-FSDP's fine-grained pre-backward unshard: a forward hook of out_norm hands back a
+    view of the output with a gradient hook on it, which must fire before the norm's backward
+    reads the weight."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    _set_scale(module, scale)
+    events = []
+
+    def forward_hook(m, args, out):
+        view = out.view_as(out)
+        torch.autograd.graph.register_multi_grad_hook(
+            [view], lambda grads: events.append("unshard"), mode="any")
+        return view
+
+    module.out_norm.register_forward_hook(forward_hook)
+    weight = module.out_norm.weight
+    weight.register_post_accumulate_grad_hook(lambda p: events.append("weight grad"))
+    x, gate = (t.requires_grad_() for t in _inputs())
+    module._apply_gated_norm(x, gate).float().sum().backward()
+    assert events == ["unshard", "weight grad"]
+
+
+@pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
+def test_out_norm_hooks_see_the_weight_parameter(fused, scale):
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    _set_scale(module, scale)
+    weight = module.out_norm.weight
+    seen = []
+    module.out_norm.register_forward_pre_hook(
+        lambda m, args: seen.append(any(p is weight for p in m.parameters(recurse=False))))
+    module._apply_gated_norm(*_inputs())
+    assert any(seen), "no pre-hook of out_norm ran with its weight parameter in place"
+
+
+@pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
+def test_megatron_ddp_waits_for_the_out_norm_weight_all_gather(fused, scale):
+    """megatron's DDP with the distributed optimizer and ``overlap_param_gather``: running the
+    norm finishes the parameter sync of out_norm.weight's bucket group."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               overlap_param_gather=True)
+    with cpu_tensor_types():  # megatron checks param.type() against CUDA type names
+        ddp = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+    _set_scale(ddp.module, scale)
+    group = ddp.param_to_bucket_group[ddp.module.out_norm.weight]
+    finished = []
+    finish = group.finish_param_sync
+    group.finish_param_sync = lambda *args, **kwargs: finished.append(1) or finish(*args, **kwargs)
+    ddp.module._apply_gated_norm(*_inputs())
+    assert finished, "out_norm.weight was read without waiting for its all-gather"

@@ -481,14 +481,17 @@ def _geometry(x, launch_rule, bt):
 def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps,
                   pdl) -> ForwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
-    key = ("fwd", x.shape, x.stride(), gate.stride(), out.stride(), x_dtype, gate.dtype, w_dtype,
-           out.dtype, x.device, eps, zero_centered, activation, bt, warps, pdl)
+    key = ("fwd", x.shape, x.stride(), gate.shape, gate.stride(), out.shape, out.stride(),
+           weight.shape, weight.stride(), x_dtype, gate.dtype, w_dtype, out.dtype, x.device,
+           gate.device, out.device, weight.device, eps, zero_centered, activation, bt, warps, pdl)
     plan = _kept_plan(key)
     if plan is not None:
         return plan
-    # A new signature: its options are checked once, before its first launch.
-    check_activation("forward_impl", activation)
+    # A new signature: its tensors and options are checked once, before its first launch.
+    check_gated_norm_tensors("forward_impl", x, gate, weight, (("out", out),))
     check_positive_number("forward_impl", "eps", eps)
+    check_activation("forward_impl", activation)
+    check_launch_overrides("forward_impl", (("bt", bt), ("warps", warps)), (("pdl", pdl),))
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
     pdl = cfg.pdl if pdl is None else pdl
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
@@ -500,17 +503,23 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
         dtypes, scalars, warps or cfg.warps, pdl)))
 
 
-def _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs, stages,
-                   weight_grad_scale, dw_sum_pdl) -> BackwardPlan:
+def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, warps, programs,
+                   stages, weight_grad_scale, dw_sum_pdl) -> BackwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
-    key = ("bwd", x.shape, x.stride(), gate.stride(), dy.stride(), x_dtype, gate.dtype, w_dtype,
-           dy.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
-           weight_grad_scale, dw_sum_pdl)
+    key = ("bwd", x.shape, x.stride(), gate.shape, gate.stride(), dy.shape, dy.stride(),
+           weight.shape, weight.stride(), rstd.shape, rstd.stride(), x_dtype, gate.dtype, w_dtype,
+           dy.dtype, rstd.dtype, x.device, gate.device, dy.device, weight.device, rstd.device,
+           zero_centered, activation, bt, warps, programs, stages, weight_grad_scale, dw_sum_pdl)
     plan = _kept_plan(key)
     if plan is not None:
         return plan
-    check_activation("backward_impl", activation)
-    check_positive_number("backward_impl", "weight_grad_scale", weight_grad_scale)
+    entry = "backward_impl"
+    check_gated_norm_tensors(entry, x, gate, weight, (("dy", dy),))
+    check_rstd(entry, x, rstd)
+    check_activation(entry, activation)
+    check_positive_number(entry, "weight_grad_scale", weight_grad_scale)
+    check_launch_overrides(entry, (("bt", bt), ("warps", warps), ("programs", programs),
+                                   ("stages", stages)), (("dw_sum_pdl", dw_sum_pdl),))
     if INTERPRETER_LOOP_PROBLEM:
         raise RuntimeError(f"backward_impl: {INTERPRETER_LOOP_PROBLEM}")
     rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
@@ -549,7 +558,9 @@ def forward_impl(
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
     buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
     dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
-    ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant."""
+    ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant. The
+    tensors and options are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when
+    their launch signature is new, the same plan serving every later call that matches it."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     batch, seq, heads, dim = x.shape
     if out is None:
@@ -584,7 +595,8 @@ def backward_impl(
     dim). dweight is the fixed-order sum of the per-program fp32 partials times
     ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype. ``zero_centered``
     must be a bool (TypeError otherwise). ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl``
-    override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
+    override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). The tensors (rstd
+    as forward_impl returns it) and options are checked when their launch signature is new.
     """
     check_bool("backward_impl", "zero_centered", zero_centered)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -594,7 +606,7 @@ def backward_impl(
         return dx, dgate, torch.zeros_like(weight)
     if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel needs unit last stride
         dy = dy.contiguous()
-    plan = _backward_plan(x, gate, weight, dy, zero_centered, activation, bt, warps, programs,
+    plan = _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, warps, programs,
                           stages, weight_grad_scale, dw_sum_pdl)
     dw_partial = x.new_empty((plan.grid, dim), dtype=torch.float32)  # cheaper than torch.empty
     launch_backward.launch(plan.grid, (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
@@ -838,23 +850,30 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
 
     Runs on every call, so each tensor attribute is read once (a read costs ~0.3 us of host
     time): the checks add up to a few us against a ~10 us launch."""
-    entry = FUSED_GATED_NORM
-    check_tensors(entry, (("x", x), ("gate", gate), ("weight", weight)))
+    check_gated_norm_tensors(FUSED_GATED_NORM, x, gate, weight)
+    check_positive_number(FUSED_GATED_NORM, "eps", eps)
+
+
+def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = ()) -> None:
+    """The tensor rules of ``check_gated_norm_inputs`` for x, gate, the weight and ``others``
+    (``(name, tensor)`` pairs of x's shape and dtype, such as forward_impl's out)."""
+    check_tensors(entry, (("x", x), ("gate", gate), ("weight", weight), *others))
     shape = x.shape
     if len(shape) != 4:
         raise ValueError(
             f"{entry}: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(shape)}"
         )
-    if gate.shape != shape:
-        raise ValueError(f"{entry}: gate must have x's shape {tuple(shape)}, got {tuple(gate.shape)}")
+    operands = (("gate", gate), *others)
+    for name, t in operands:
+        if t.shape != shape:
+            raise ValueError(f"{entry}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
     batch, seq, heads, dim = shape
     rows = batch * seq * heads
-    check_operands(entry, x, (("gate", gate),), weight, dim)
+    check_operands(entry, x, operands, weight, dim)
     check_head_dim(entry, "the head dim (x's last dim)", dim)
     check_rows(entry, "batch * sequence * heads", rows)
     if rows and dim:  # an empty view may have any strides
-        check_last_dim_stride(entry, (("x", x), ("gate", gate)))
-    check_positive_number(entry, "eps", eps)
+        check_last_dim_stride(entry, (("x", x), *operands))
 
 
 def check_tensors(entry: str, named: tuple) -> None:
@@ -960,6 +979,37 @@ def check_rows(entry: str, rows_name: str, rows: int) -> None:
     if rows > MAX_ROWS:
         raise ValueError(f"{entry}: {rows_name} must be <= {MAX_ROWS} (the row count; row "
                          f"indices are 32-bit), got {rows}")
+
+
+def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
+    """rstd as forward_impl returns it: a contiguous fp32 [batch, sequence, heads] tensor on x's
+    device (TypeError for type and dtype, ValueError otherwise)."""
+    check_tensors(entry, (("rstd", rstd),))
+    if rstd.dtype != torch.float32:
+        raise TypeError(f"{entry}: rstd dtype must be fp32, got {rstd.dtype}")
+    if rstd.shape != x.shape[:3] or rstd.device != x.device or not rstd.is_contiguous():
+        raise ValueError(
+            f"{entry}: rstd must be a contiguous tensor of shape {tuple(x.shape[:3])} on "
+            f"{x.device} (forward_impl's), got shape {tuple(rstd.shape)}, strides "
+            f"{rstd.stride()} on {rstd.device}"
+        )
+
+
+def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
+    """Launch-parameter overrides of the ``*_impl`` wrappers: each ``(name, value)`` of
+    ``counts`` None or a positive int (``bt`` and ``warps`` also a power of two: a block and
+    a warp count), each of ``switches`` None or a bool."""
+    for name, value in counts:
+        if value is None:
+            continue
+        if type(value) is not int:
+            raise TypeError(f"{entry}: {name} must be None or an int, got {type(value).__name__}")
+        if value < 1 or (name in ("bt", "warps") and value & (value - 1)):
+            rule = "a power of two" if name in ("bt", "warps") else ">= 1"
+            raise ValueError(f"{entry}: {name} must be {rule}, got {value}")
+    for name, value in switches:
+        if value is not None:
+            check_bool(entry, name, value)
 
 
 def check_last_dim_stride(entry: str, named: tuple) -> list:

@@ -515,6 +515,50 @@ def test_impls_check_eps_and_the_weight_grad_scale():
         kernel_module.backward_impl(x, gate, weight, rstd, x, weight_grad_scale=1e39)
 
 
+def _impl_calls():
+    """(call, exception, message) of forward_impl / backward_impl with one bad argument each;
+    every call follows a good one with the same launch options, so the checks cannot hide
+    behind a kept launch plan."""
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    rstd = kernel_module.forward_impl(x, gate, weight, EPS)[1]
+    fwd, bwd = kernel_module.forward_impl, kernel_module.backward_impl
+    return {
+        "gate_shape": (lambda: fwd(x, gate[:, :1], weight, EPS), ValueError,
+                       "forward_impl: gate must have x's shape"),
+        "out_shape": (lambda: fwd(x, gate, weight, EPS, out=x[:, :1].clone()), ValueError,
+                      "forward_impl: out must have x's shape"),
+        "out_dtype": (lambda: fwd(x, gate, weight, EPS, out=x.half()), TypeError,
+                      "forward_impl: out dtype must equal x's dtype"),
+        "weight_shape": (lambda: fwd(x, gate, weight[:32], EPS), ValueError,
+                         r"forward_impl: weight must have shape \(64,\)"),
+        "bt": (lambda: fwd(x, gate, weight, EPS, bt=3), ValueError,
+               "forward_impl: bt must be a power of two, got 3"),
+        "warps": (lambda: fwd(x, gate, weight, EPS, warps="4"), TypeError,
+                  "forward_impl: warps must be None or an int"),
+        "pdl": (lambda: fwd(x, gate, weight, EPS, pdl="yes"), TypeError,
+                "forward_impl: pdl must be a bool"),
+        "dy_shape": (lambda: bwd(x, gate, weight, rstd, x[:, :1]), ValueError,
+                     "backward_impl: dy must have x's shape"),
+        "rstd_dtype": (lambda: bwd(x, gate, weight, rstd.double(), x), TypeError,
+                       "backward_impl: rstd dtype must be fp32"),
+        "rstd_shape": (lambda: bwd(x, gate, weight, rstd[:, :1], x), ValueError,
+                       r"backward_impl: rstd must be a contiguous tensor of shape \(1, 2, 2\)"),
+        "rstd_strided": (lambda: bwd(x, gate, weight, rstd.transpose(1, 2).contiguous().transpose(1, 2),
+                                     x), ValueError, "backward_impl: rstd must be a contiguous"),
+        "programs": (lambda: bwd(x, gate, weight, rstd, x, programs=0), ValueError,
+                     "backward_impl: programs must be >= 1, got 0"),
+        "dw_sum_pdl": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=1), TypeError,
+                       "backward_impl: dw_sum_pdl must be a bool"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_impl_calls()))
+def test_impls_check_their_tensors_and_launch_overrides(case):
+    call, exception, message = _impl_calls()[case]
+    with pytest.raises(exception, match=message):
+        call()
+
+
 def _gdn_stand_in(norm_eps: dict, value_heads=8, **module_attrs):
     """A GatedDeltaNet-like module for ``validate_gated_norm``: a config and an out_norm whose eps
     attribute is spelled as in ``norm_eps`` (torch: eps, TE: epsilon, HF: variance_epsilon)."""

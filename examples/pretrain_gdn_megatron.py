@@ -83,7 +83,11 @@ from core.models.gdn_specs import (  # noqa: E402
     use_fused_gdn,
 )
 from core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
-from core.training import add_gdn_fusion_args, transformer_config_from_args  # noqa: E402
+from core.training import (  # noqa: E402
+    add_gdn_fusion_args,
+    transformer_config_from_args,
+    use_prebuilt_dataset_helpers,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Command line: megatron's, plus the fusion flags and this launcher's metrics file
@@ -292,22 +296,6 @@ def write_metrics(path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
-
-
-def use_prebuilt_dataset_helpers() -> None:
-    """megatron's initialize runs ``make`` in megatron/core/datasets to build its C++ dataset
-    helpers; the megatron-core wheel ships them prebuilt but without the Makefile, so ``make``
-    fails and megatron exits. With no Makefile there, import the prebuilt module instead."""
-    import megatron.core.datasets.utils as dataset_utils
-
-    compile_helpers = dataset_utils.compile_helpers
-
-    def compile_or_import_helpers():
-        if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
-            return compile_helpers()
-        from megatron.core.datasets import helpers_cpp  # noqa: F401  (the wheel's build)
-
-    dataset_utils.compile_helpers = compile_or_import_helpers
 
 
 def main() -> None:

@@ -120,8 +120,21 @@ def launch_arguments(kernel: str, dim: int, dtype: torch.dtype, bt: int, warps: 
     shape = (2, 64, 4, dim)
     x, gate, dy = (_tensor(shape, dtype, int(unaligned)) for _ in range(3))
     weight = torch.ones(dim, dtype=dtype)
-    with h200_launch_rules():
+    with h200_launch_rules(), _cpu_tensors_pass_validation():
         return _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl)
+
+
+@contextlib.contextmanager
+def _cpu_tensors_pass_validation():
+    """The launches are recorded from CPU tensors, never run: while open, the wrappers' input
+    checks take CPU tensors, as under the interpreter (the kernels compile for sm_90 all the
+    same)."""
+    saved = fgn.INTERPRETED
+    fgn.INTERPRETED = True
+    try:
+        yield
+    finally:
+        fgn.INTERPRETED = saved
 
 
 def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl):

@@ -144,7 +144,7 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     more memory); its dW sum alone (the fixed-order sum of the row kernel's per-program fp32
     partials, rounded to the weight's dtype); torch's ``sum(0).to(dtype)`` of the same partials;
     and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
-    plan = fgn._backward_plan(x, g, w, dy, zero_centered=False, activation="silu", bt=None,
+    plan = fgn._backward_plan(x, g, w, rstd, dy, zero_centered=False, activation="silu", bt=None,
                               warps=None, programs=None, stages=None, weight_grad_scale=1.0,
                               dw_sum_pdl=None)
     dx, dgate = torch.empty_like(x), torch.empty_like(g)

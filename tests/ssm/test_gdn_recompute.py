@@ -1,6 +1,7 @@
-"""Selective recompute 'gdn_norm_out' with the fused norm: bitwise-equal output, input grad and
-every parameter grad with and without recompute; the norm output's storage is freed after the
-forward and rebuilt in backward; validate_gated_norm runs again during the recomputation."""
+"""Recompute with the fused norm. Selective recompute 'gdn_norm_out': bitwise-equal output,
+input grad and every parameter grad with and without recompute; the norm output's storage is
+freed after the forward and rebuilt in backward; validate_gated_norm runs again during the
+recomputation. Megatron's full layer recompute of a GDN hybrid GPT: the same, bit for bit."""
 
 from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
 
@@ -145,3 +146,38 @@ def test_recompute_scales_the_out_norm_grad_once(fused):
             if param != key:
                 assert torch.equal(grads[name, 2.0][param], grads[name, 1.0][param]), param
     assert torch.equal(grads["plain", 2.0][key], grads["recompute", 2.0][key])
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_layer_recompute_is_bitwise_equal(method, validate_calls):
+    """megatron's full recompute (``recompute_granularity='full'``) of a GDN hybrid GPT with the
+    flag on: the same loss and every parameter's gradient, bit for bit."""
+    from megatron.core.models.gpt import GPTModel
+
+    from core.models import get_gdn_hybrid_block_spec
+
+    def build(**recompute):
+        config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                            fused_gated_norm=True, **recompute)
+        return GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
+                        vocab_size=64, max_sequence_length=16)
+
+    plain = build()
+    full = build(recompute_granularity="full", recompute_method=method, recompute_num_layers=1)
+    full.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    validate_calls.clear()
+    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
+    results = []
+    for model in (plain, full):
+        loss = model(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
+        loss.mean().backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    # the plain model's one fused forward; the recomputed model's forward without autograd,
+    # then again in its backward
+    assert validate_calls == [True, False, True]
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name

@@ -206,6 +206,18 @@ def test_flag_keeps_no_more_activation_memory_in_deterministic_mode(recompute):
         assert kept[True] <= kept[False]
 
 
+def test_flag_keeps_what_megatrons_compiled_norm_keeps_in_deterministic_mode(monkeypatch):
+    """Megatron runs its flag-off norm torch.compile'd (jit_fuser): inductor saves x, the gate
+    and an fp32 rstd per row for backward, as the fused path does: the same bytes."""
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    monkeypatch.setattr(_GDNBase, "_apply_gated_norm", torch.compile(_GDNBase._apply_gated_norm))
+    x, _ = _inputs(torch.bfloat16, seed=5)
+    kept = {fused: _bytes_kept_for_backward(build_gdn_module(gdn_config(fused_gated_norm=fused)), x)
+            for fused in (False, True)}
+    assert kept[True] == kept[False]
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "gdn_norm_out-recompute"])
 def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute):
     """Outside deterministic_mode FLA's causal_conv1d (run here in the Triton interpreter) saves

@@ -11,11 +11,13 @@ Python Software Foundation, distributed under the Python Software Foundation Lic
 (https://docs.python.org/3/license.html), which permits copying and redistribution of derived
 works provided the PSF copyright notice is retained (it is, here and in README.md of this folder).
 
-    python examples/data/build_corpus.py            # rewrites stdlib_docstrings.txt
+    python examples/data/build_corpus.py --out /tmp/corpus.txt   # build it elsewhere
+    python examples/data/build_corpus.py --overwrite             # rewrite stdlib_docstrings.txt
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import sys
@@ -52,6 +54,14 @@ def docstrings(path: str):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=OUT, help="where to write the corpus (default: the "
+                        "committed examples/data/stdlib_docstrings.txt)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out when it exists (the committed corpus by default)")
+    args = parser.parse_args()
+    if os.path.exists(args.out) and not args.overwrite:
+        parser.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
     stdlib = sysconfig.get_paths()["stdlib"]
     seen, parts, size = set(), [], 0
     for mod in MODULES:
@@ -70,9 +80,9 @@ def main() -> None:
             size += len(chunk)
         if size >= MAX_BYTES - 1024:
             break
-    with open(OUT, "w", encoding="ascii", newline="\n") as f:
+    with open(args.out, "w", encoding="ascii", newline="\n") as f:
         f.write("".join(parts))
-    print(f"wrote {OUT}: {size} bytes, {len(parts)} documents, Python {sys.version.split()[0]}")
+    print(f"wrote {args.out}: {size} bytes, {len(parts)} documents, Python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,11 @@
 """Launch a Triton kernel without ``JITFunction.run`` on repeated calls.
 
 ``kernel[grid](...)`` binds every argument, derives Triton's specialisation key and looks the
-compiled kernel up on every call: 20.1-22.6 us of host time per launch of the forward. The fused
-norm launches in every forward and backward of every GDN layer, so ``DirectLauncher`` keeps the
-compiled kernel per *launch key* and calls it directly: 7.5-8.7 us with the arguments prepared
-(as the fused norm launches; 9.8-11.8 us unprepared), in each run less than calling the compiled
-kernel by hand (``compiled[(grid, 1, 1)](...)``, 8.8-12.4 us: it builds Triton's launch
-metadata). Medians of three runs of ``taskset -c 3 python tools/host_cost.py`` (H200 host, torch
-2.11, triton 3.6): docs/results/host_cost_pinned.json, docs/benchmarks.md (Host cost).
+compiled kernel up on every call: at the fused norm's small shapes that host time is more than
+the kernel's GPU time, and the norm launches in every forward and backward of every GDN layer.
+``DirectLauncher`` keeps the compiled kernel per *launch key* and calls it directly, with its
+arguments prepared once per launch signature (docs/benchmarks.md, Host cost, has the measured
+costs: ``python tools/host_cost.py``).
 
 The launch key must determine Triton's specialisation of every argument. It is built from the
 scalar arguments (every int, float, stride tuple, flag and constexpr by value, except the

@@ -60,7 +60,7 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 
     The index math stays in the row's integer type (int32 in the kernels: the host checks
     rows <= MAX_ROWS) and only the products with the strides are 64-bit (one wide multiply each):
-    full 64-bit row math took 14 % more instructions in the forward (SASS, sm_90)."""
+    full 64-bit row math costs the forward more instructions (tools/kernel_ir.py counts them)."""
     token = row // HEADS
     head = row - token * HEADS
     if FLAT_TOKENS:
@@ -111,8 +111,8 @@ def _row_pointers(base, row0, rows, cols, SEQUENCE, HEADS: tl.constexpr, D: tl.c
 
     DENSE (``dense_blocks`` on the host): the block's rows lie back to back, D apart. One
     64-bit offset for the block, then a [BT, D] tile of 32-bit offsets that the compiler sees
-    as contiguous: no address math per row or element (the contiguous experiment of
-    tools/forward_variants.py: ~5 % of the forward's bandwidth on the H200). Otherwise one
+    as contiguous: no address math per row or element (docs/design.md, Launch choices: the
+    forward's real cost is its addressing). Otherwise one
     64-bit offset per row, columns as 32-bit offsets from it."""
     if DENSE:
         first = _row_offset(row0, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
@@ -203,8 +203,8 @@ def _activation(g, ACTIVATION: tl.constexpr):
     # torch's formulas (silu = g / (1 + exp(-g))) with Triton's fast exp and division: their
     # fp32 values differ from torch's expf and IEEE division in the last bits, which flips the
     # gated output's bf16 rounding on about 1 element in 10^8 (docs/numerics.md). The exact
-    # functions (libdevice.exp, tl.div_rn) remove that and cost 12-44 % of the kernels' speed
-    # on the H200 (docs/design.md, Activation arithmetic).
+    # functions (libdevice.exp, tl.div_rn) remove that and slow the kernels, which are close to
+    # issue-bound (docs/design.md, Activation arithmetic).
     if ACTIVATION == "sigmoid":
         act = _sigmoid(g)
     else:
@@ -235,9 +235,8 @@ def gated_norm_fwd(
     PDL: tl.constexpr = False,
 ):
     """Writes out and (STORE_RSTD) one fp32 inverse RMS per row: program p handles rows
-    [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: with the loop the same
-    arithmetic was 1-15 % slower on the H200 (tools/forward_variants.py); many small programs
-    keep enough loads in flight.
+    [p * BT, (p + 1) * BT). One block per program, no grid-stride loop: many small programs keep
+    enough loads in flight, and the loop was slower (docs/design.md, Launch choices).
     NORM_DTYPE: dtype the norm output is rounded to before the gate product (the unfused
     norm's output dtype); tl.float32 means no intermediate rounding (vLLM/FLA semantics).
     NORM_BEFORE_GATE=False normalises x * act(gate) instead (inference only). PDL: launched with
@@ -339,8 +338,8 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
     same bits every run), scales the fp32 sum and rounds once to the weight's dtype, so a power
     of two scale is exact (and 1.0 changes no bit). WEIGHT_GRAD_SCALE is a runtime fp32 argument
     (Triton never specialises a float's value): a new value compiles nothing. BLOCK_P covers the
-    most partials any launch can have, so the token count never changes it. torch's
-    ``sum(0).to()`` is two kernels: 9.4 us on an H200, where this one takes about 2 us.
+    most partials any launch can have, so the token count never changes it. One kernel where
+    torch's ``sum(0).to()`` is two.
     PDL: launched with programmatic dependent launch; LAUNCH_DEPENDENTS: lets the next kernel
     launch early (_dependent_launch_entry)."""
     _dependent_launch_entry(PDL, LAUNCH_DEPENDENTS)
@@ -478,12 +477,13 @@ def _geometry(x, launch_rule, bt):
     return batch * seq * heads, seq, heads, dim, cfg, bt or cfg.bt
 
 
-def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps,
-                  pdl) -> ForwardPlan:
+def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps, pdl,
+                  store_rstd) -> ForwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.shape, gate.stride(), out.shape, out.stride(),
            weight.shape, weight.stride(), x_dtype, gate.dtype, w_dtype, out.dtype, x.device,
-           gate.device, out.device, weight.device, eps, zero_centered, activation, bt, warps, pdl)
+           gate.device, out.device, weight.device, eps, zero_centered, activation, bt, warps, pdl,
+           store_rstd)
     plan = _kept_plan(key)
     if plan is not None:
         return plan
@@ -491,14 +491,15 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     check_gated_norm_tensors("forward_impl", x, gate, weight, (("out", out),))
     check_positive_number("forward_impl", "eps", eps)
     check_activation("forward_impl", activation)
-    check_launch_overrides("forward_impl", (("bt", bt), ("warps", warps)), (("pdl", pdl),))
+    check_launch_overrides("forward_impl", (("bt", bt), ("warps", warps)),
+                           (("pdl", pdl), ("store_rstd", store_rstd)))
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
     pdl = cfg.pdl if pdl is None else pdl
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
                                      (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
-                                     True, bt, cfg.block_d, pdl)
-    dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32)
+                                     store_rstd, bt, cfg.block_d, pdl)
+    dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32 if store_rstd else None)
     return _keep_plan(key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
         dtypes, scalars, warps or cfg.warps, pdl)))
 
@@ -552,8 +553,10 @@ def forward_impl(
     out: Optional[torch.Tensor] = None,
     activation: str = "silu",
     pdl: Optional[bool] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch ``gated_norm_fwd``; returns ``(out, rstd)``. No input is copied.
+    store_rstd: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launch ``gated_norm_fwd``; returns ``(out, rstd)``, rstd None when ``store_rstd`` is False
+    (nothing to differentiate: the output's bits are the same). No input is copied.
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
     buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
@@ -565,10 +568,11 @@ def forward_impl(
     batch, seq, heads, dim = x.shape
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rstd = x.new_empty((batch, seq, heads), dtype=torch.float32)
+    rstd = x.new_empty((batch, seq, heads), dtype=torch.float32) if store_rstd else None
     if batch * seq * heads == 0 or dim == 0:  # nothing to normalise (rstd of an empty row is never read)
         return out, rstd
-    plan = _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps, pdl)
+    plan = _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warps, pdl,
+                         store_rstd)
     launch_forward.launch(plan.grid, (x, gate, weight, out, rstd), plan.launch)
     return out, rstd
 
@@ -629,32 +633,23 @@ def _dw_sum_launch(programs: int, dim: int, dtype: torch.dtype, cfg: BackwardLau
         cfg.dw_sum_warps, cfg.dw_sum_pdl)
 
 
-def sum_dw_partials(dw_partial: torch.Tensor, dtype: torch.dtype, cfg: BackwardLaunch,
-                    weight_grad_scale: float = 1.0) -> torch.Tensor:
-    """``gated_norm_dw_sum``: the [programs, D] fp32 partials -> ``weight_grad_scale`` times
-    their sum, as dW of ``dtype`` (``backward_impl`` makes the same launch from its plan)."""
-    programs, dim = dw_partial.shape
-    dweight = dw_partial.new_empty(dim, dtype=dtype)
-    grid, prepared = _dw_sum_launch(programs, dim, dtype, cfg, weight_grad_scale)
-    launch_dw_sum.launch(grid, (dw_partial, dweight), prepared)
-    return dweight
-
-
 # ----------------------------------------------------------------------------------------------
 # Autograd glue and the public entry
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation):
+def _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation,
+                    store_rstd=True):
     """Run the forward into a new buffer that is contiguous in ``out_layout`` ([B, S, H, D] for
     "bshd", [S, B, H, D] for "sbhd"); returns ``(buffer, rstd)``."""
     if out_layout == "sbhd":
         batch, seq, heads, dim = x.shape
         buffer = x.new_empty((seq, batch, heads, dim))  # cheaper than torch.empty(..., device=)
         _, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=buffer.transpose(0, 1),
-                               activation=activation)
+                               activation=activation, store_rstd=store_rstd)
         return buffer, rstd
-    return forward_impl(x, gate, weight, eps, zero_centered, activation=activation)
+    return forward_impl(x, gate, weight, eps, zero_centered, activation=activation,
+                        store_rstd=store_rstd)
 
 
 def _as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:
@@ -826,8 +821,11 @@ def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, 
     options = (float(eps), zero_centered, out_layout, activation, float(weight_grad_scale))
     if torch.compiler.is_compiling():
         buffer, _ = _gated_norm_fwd_op(x, gate, weight, *options)
-    else:
+    elif torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad
+                                      or weight.requires_grad):
         buffer = _FusedGatedNorm.apply(x, gate, weight, options)
+    else:  # nothing to differentiate (inference, a recompute's first forward): no rstd, no ctx
+        buffer, _ = _forward_buffer(x, gate, weight, *options[:4], store_rstd=False)
     return _as_bshd(buffer, out_layout)
 
 

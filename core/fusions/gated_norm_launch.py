@@ -50,11 +50,10 @@ def sm_count(device: torch.device) -> int:
 
 
 # Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
-# drains and waits for its writes before its first load; a share of the time between kernels
-# that matters at the row counts of TP 4-8 ranks (16k rows: 4.2 -> 3.6 us). Bits do not change.
-# The backward kernel itself launches as usual (launched early it was 30-70 % slower in CUDA
-# graphs); its dW sum is launched early (DW_SUM_PDL) and lets the next kernel launch early.
-# docs/design.md, Small row counts.
+# drains and waits for its writes before its first load, which hides part of the time between
+# kernels at the row counts of TP 4-8 ranks. Bits do not change. The backward kernel itself
+# launches as usual (launched early it was slower in CUDA graphs); its dW sum is launched early
+# (DW_SUM_PDL) and lets the next kernel launch early. docs/design.md, Small row counts.
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
@@ -67,8 +66,7 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-# Block shapes from H200 sweeps (bf16; tools/launch_sweep.py, tools/forward_variants.py; the
-# numbers are in docs/design.md, Launch choices). Forward: 2048 elements per program, 8 per thread
+# Block shapes from H200 sweeps (bf16; the measurements: docs/design.md, Launch choices). Forward: 2048 elements per program, 8 per thread
 # up to 128 elements per row and 16 beyond. Backward: 512 elements per loop iteration, 8 per
 # thread (16, one warp, at 128 and 256), 3 pipeline stages, 8 persistent programs per SM.
 # Neither depends on the row count (only the grid does): a row's fp32 reduction tree follows its
@@ -82,26 +80,24 @@ FORWARD_ELEMENTS_PER_THREAD_NARROW = 8  # rows of <= 128 elements (BLOCK_D <= 12
 # lays a row out as the rule's 8 x 4 does (tools/kernel_ir.py), so no bit changes.
 FORWARD_SWEPT_BLOCKS = {256: (4, 4)}
 BACKWARD_ELEMENTS_PER_THREAD = 8
-# One warp (16 elements per thread) at 128 and 256: a row is still laid out as in the rule's
-# 2-warp block (tools/kernel_ir.py), so dx and dgate keep their bits (at 256, fp32 rows get
-# another fixed order); backward alone 2-10 % faster at 16k-128k rows of 128 (16k: 8.92 -> 8.03
-# us), 7 % at 32k rows of 256 (docs/design.md, Launch choices).
+# One warp (16 elements per thread) at 128 and 256, faster at the small row counts of TP ranks:
+# a row is still laid out as in the rule's 2-warp block (tools/kernel_ir.py), so dx and dgate
+# keep their bits (at 256, fp32 rows get another fixed order).
 BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
 
 
 # The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load,
-# about 64 programs reading at once (faster than 16 by 0.1-0.4 us). The interpreter pays per
-# program: one program takes the whole row.
+# about 64 programs reading at once (faster than 16). The interpreter pays per program: one
+# program takes the whole row.
 DW_SUM_PROGRAMS = 64
 DW_SUM_MAX_COLUMNS = 8
 DW_SUM_WARPS = 8
 # The dW sum with programmatic dependent launch: the backward's programs let it launch as they
 # start, so it is resident, waiting for the backward's completion (griddepcontrol.wait), when
-# the partials are done, and the time between the two kernels shrinks. Backward alone, 0.6-0.7
-# us faster than the dW sum launched as usual at 16k-128k rows (16k: 8.73 -> 8.03 us); letting
-# it launch only once a program's row loop was done cost 0.2-0.35 us instead. Bits do not change.
+# the partials are done, and the time between the two kernels shrinks (launched only once a
+# program's row loop is done, it hid less). Bits do not change.
 DW_SUM_PDL = True
 
 

@@ -25,7 +25,7 @@ class RMSNorm(torch.nn.Module):
 
     Args:
         config: megatron TransformerConfig (params_dtype, use_cpu_initialization,
-            layernorm_zero_centered_gamma, sequence_parallel, perform_initialization).
+            layernorm_zero_centered_gamma, sequence_parallel).
         hidden_size: size of the normalised (last) dim.
         eps: added to mean(x^2).
         zero_centered_gamma: ``w_eff = 1 + weight`` (weight initialised to 0). None follows

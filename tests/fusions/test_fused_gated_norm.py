@@ -85,6 +85,26 @@ def test_nan_and_inf_propagate_like_the_reference():
     assert_bitwise_or_within_ulps(out, ref)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
+def test_forward_without_autograd_stores_no_rstd(mode, monkeypatch):
+    """Nothing to differentiate (inference, the no-grad first forward of a recompute): the
+    forward stores no rstd and the output keeps its bits."""
+    x, gate, weight = make_inputs((2, 5, 3, 64), torch.bfloat16)
+    with_rstd = fused_gated_norm(*(t.detach().requires_grad_() for t in (x, gate, weight)), EPS)
+    calls = []
+    real = kernel_module.forward_impl
+    monkeypatch.setattr(kernel_module, "forward_impl",
+                        lambda *args, **kwargs: calls.append(kwargs["store_rstd"]) or real(*args, **kwargs))
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = fused_gated_norm(*(t.detach().requires_grad_() for t in (x, gate, weight)), EPS)
+    else:
+        out = fused_gated_norm(x, gate, weight, EPS)
+    assert calls == [False] and not out.requires_grad
+    assert torch.equal(out, with_rstd.detach())
+    assert real(x, gate, weight, EPS, store_rstd=False)[1] is None
+
+
 # ------------------------------------------------------------------------------------ layouts
 
 
@@ -791,8 +811,10 @@ def test_dw_partial_sum_is_exact_and_rounds_to_nearest_even(dtype, scale):
     partials[:, 1] = 57.0  # 2109: odd above 2048, between two fp16 values
     partials = partials.to(DEVICE)
     cfg = kernel_module.backward_launch(12, partials.device)
-    got = kernel_module.sum_dw_partials(partials, dtype, cfg._replace(max_programs=64, dw_sum_columns=8),
-                                        scale)
+    grid, prepared = kernel_module._dw_sum_launch(  # backward_impl's second launch
+        37, 12, dtype, cfg._replace(max_programs=64, dw_sum_columns=8), scale)
+    got = partials.new_empty(12, dtype=dtype)
+    kernel_module.launch_dw_sum.launch(grid, (partials, got), prepared)
     want = (partials.double().sum(0) * scale).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
     if scale != 1.0 and dtype != torch.float32:  # the case tells the two orders apart

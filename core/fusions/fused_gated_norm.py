@@ -481,9 +481,8 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
                   store_rstd) -> ForwardPlan:
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("fwd", x.shape, x.stride(), gate.shape, gate.stride(), out.shape, out.stride(),
-           weight.shape, weight.stride(), x_dtype, gate.dtype, w_dtype, out.dtype, x.device,
-           gate.device, out.device, weight.device, eps, zero_centered, activation, bt, warps, pdl,
-           store_rstd)
+           weight.shape, weight.stride(), x_dtype, gate.dtype, w_dtype, out.dtype, x.device, eps,
+           zero_centered, activation, bt, warps, pdl, store_rstd)
     plan = _kept_plan(key)
     if plan is not None:
         return plan
@@ -509,8 +508,8 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
     x_dtype, w_dtype = x.dtype, weight.dtype
     key = ("bwd", x.shape, x.stride(), gate.shape, gate.stride(), dy.shape, dy.stride(),
            weight.shape, weight.stride(), rstd.shape, rstd.stride(), x_dtype, gate.dtype, w_dtype,
-           dy.dtype, rstd.dtype, x.device, gate.device, dy.device, weight.device, rstd.device,
-           zero_centered, activation, bt, warps, programs, stages, weight_grad_scale, dw_sum_pdl)
+           dy.dtype, rstd.dtype, x.device, zero_centered, activation, bt, warps, programs, stages,
+           weight_grad_scale, dw_sum_pdl)
     plan = _kept_plan(key)
     if plan is not None:
         return plan
@@ -879,9 +878,6 @@ def check_tensors(entry: str, named: tuple) -> None:
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
-                            f"{t.layout}")
 
 
 def check_bool(entry: str, name: str, value) -> None:
@@ -1016,6 +1012,9 @@ def check_last_dim_stride(entry: str, named: tuple) -> list:
     for name, t in named:
         stride = t.stride()
         if stride[-1] != 1:
+            if t.layout != torch.strided:  # a sparse tensor reports zero strides
+                raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
+                                f"{t.layout}")
             raise ValueError(f"{entry}: {name} must have last-dim stride 1, got strides {stride}")
         strides.append(stride)
     return strides

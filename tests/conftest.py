@@ -1,5 +1,7 @@
 """Without a GPU, every Triton kernel runs through the interpreter: set it before triton loads.
-Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped."""
+Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped. Tests marked
+``cpu_shims`` build megatron's layers on the CPU shims of core.testing in the test process; where a
+GPU is visible they are skipped (``CUDA_VISIBLE_DEVICES=`` runs them there)."""
 
 import os
 
@@ -13,11 +15,16 @@ if not HAS_CUDA:
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` "
-                                   "on a machine with one (tests/README.md)")
+        marker = "cpu_shims"
+        skip = pytest.mark.skip(reason="runs megatron's layers on the CPU shims (Triton interpreter, "
+                                       "gloo), which need a process that sees no GPU: "
+                                       "`CUDA_VISIBLE_DEVICES= python -m pytest tests` (tests/README.md)")
+    else:
+        marker = "gpu"
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu "
+                                       "tests` on a machine with one (tests/README.md)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        if item.get_closest_marker(marker) is not None:
             item.add_marker(skip)
 
 

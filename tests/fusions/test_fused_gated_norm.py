@@ -287,7 +287,8 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=False,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=False,
         EPS=0.25, ZERO_CENTERED=True, BT=2, BLOCK_D=64, NORM_DTYPE=tl.bfloat16,
-        ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True, PDL=False,
+        ACTIVATION="sigmoid", NORM_BEFORE_GATE=True, STORE_RSTD=True,
+        PDL=forward_launch(64, x.device).pdl,  # on an sm_90+ GPU; never under the interpreter
     )
     assert z2.stride(0) != 128  # the packed projection's token stride
     assert infer == dict(  # one sequence of 7 tokens, heads D = 64 apart within a row
@@ -298,7 +299,7 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=True,
         EPS=0.5, ZERO_CENTERED=False, BT=forward_launch(64, x.device).bt, BLOCK_D=64,
         NORM_DTYPE=tl.float32, ACTIVATION="sigmoid", NORM_BEFORE_GATE=False, STORE_RSTD=False,
-        PDL=False,
+        PDL=forward_launch(64, x.device).pdl,
     )
 
 

@@ -92,6 +92,7 @@ def test_hybrid_block_requires_gdn_config():
         get_gdn_hybrid_block_spec(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4))
 
 
+@pytest.mark.cpu_shims
 def test_gpt_model_from_hybrid_spec_trains_with_flag():
     from megatron.core.models.gpt import GPTModel
 
@@ -110,6 +111,7 @@ def test_gpt_model_from_hybrid_spec_trains_with_flag():
     assert w.grad is not None and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
 
+@pytest.mark.cpu_shims
 def test_hybrid_block_with_moe_mlps_matches_unfused():
     from megatron.core.models.gpt import GPTModel
 

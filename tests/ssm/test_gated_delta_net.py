@@ -24,6 +24,8 @@ from core.testing.gdn import (  # noqa: E402
 from core.transformer import RMSNorm  # noqa: E402
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps  # noqa: E402
 
+pytestmark = pytest.mark.cpu_shims
+
 SEQ, BATCH, HIDDEN = 24, 2, 64
 # The GDN gate activations the kernel implements (config.activation_func); gdn_config's
 # deterministic_mode=True is what validate_gdn_config requires of a sigmoid gate.

@@ -16,6 +16,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from core.testing.gdn_checkpoint import (build_layer, load_layer, make_reference,  # noqa: E402
                                          output_of, save_layer, spawn_worker, state_of)
 
+pytestmark = pytest.mark.cpu_shims
+
 TP = 2
 
 

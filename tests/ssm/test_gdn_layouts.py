@@ -62,11 +62,8 @@ HAS_CUDA = torch.cuda.is_available()
 # The environment of the spawned processes: no GPU, so the harness takes its gloo / CPU path
 # (core.testing.parallel.init_world, core.testing.cpu's shims) on any machine.
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
-# Tests that build and run a model in this process: with CUDA visible here that model would be
-# a GPU one (other kernels, TF32 convolutions), not the CPU reference's.
-in_a_cpu_process = pytest.mark.skipif(
-    HAS_CUDA, reason="builds the model in the test process, which sees the GPU; the layout cases "
-                     "of this file run in spawned CPU processes there too")
+# Tests that build and run a model in this process (the layout cases spawn CPU processes).
+in_a_cpu_process = pytest.mark.cpu_shims
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ from core.ssm.gated_delta_net import (  # noqa: E402
 )
 from core.testing.gdn import build_gdn_module, gdn_config  # noqa: E402
 
+pytestmark = pytest.mark.cpu_shims
+
 PATHS = [(False, 1.0), (False, 2.0), (True, 1.0), (True, 2.0)]
 PATH_IDS = ["unfused", "unfused-scaled", "fused", "fused-scaled"]
 

@@ -13,6 +13,8 @@ import torch  # noqa: E402
 import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
 from core.testing.gdn import build_gdn_layer, gdn_config, randomize_norm_weights  # noqa: E402
 
+pytestmark = pytest.mark.cpu_shims
+
 SEQ, BATCH, HIDDEN = 24, 2, 64
 RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
 

@@ -21,6 +21,8 @@ from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TP_OVERRIDES,  # no
                                  case_name, make_reference, ref_key, rel_err, spawn_worker,
                                  tolerance)
 
+pytestmark = pytest.mark.cpu_shims
+
 TP_SIZES = (2, 4)
 SEQ = 24  # divisible by every TP size (sequence parallelism splits it)
 TP_TAG = "average_gradients_across_tp_domain"

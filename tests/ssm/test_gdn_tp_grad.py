@@ -24,6 +24,8 @@ from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weight
 from core.testing.gdn_tp import megatron_summing_out_norm_grad  # noqa: E402
 from core.transformer import RMSNorm  # noqa: E402
 
+pytestmark = pytest.mark.cpu_shims
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _model_parallel():

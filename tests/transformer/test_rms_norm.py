@@ -20,6 +20,7 @@ def _reference(x, w, eps, zero_centered):
                                               (torch.float32, torch.float32),
                                               (torch.float16, torch.float16)])
 @pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.cpu_shims
 def test_numerics_one_rounding(x_dtype, w_dtype, zero_centered):
     config = gdn_config(params_dtype=w_dtype, bf16=False, fp16=False)
     norm = RMSNorm(config, hidden_size=48, eps=1e-5, zero_centered_gamma=zero_centered)
@@ -39,6 +40,7 @@ def test_numerics_one_rounding(x_dtype, w_dtype, zero_centered):
                                rtol=1e-2 if out_dtype != torch.float32 else 1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_shims
 def test_init_zero_centered_from_config_and_sp_tag():
     config = gdn_config(layernorm_zero_centered_gamma=True)
     norm = RMSNorm(config, hidden_size=8, eps=1e-6)

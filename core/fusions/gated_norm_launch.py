@@ -66,9 +66,10 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-# Block shapes from H200 sweeps (bf16; the measurements: docs/design.md, Launch choices). Forward: 2048 elements per program, 8 per thread
-# up to 128 elements per row and 16 beyond. Backward: 512 elements per loop iteration, 8 per
-# thread (16, one warp, at 128 and 256), 3 pipeline stages, 8 persistent programs per SM.
+# Block shapes from H200 sweeps (bf16; the measurements: docs/design.md, Launch choices).
+# Forward: 2048 elements per program, 8 per thread up to 128 elements per row and 16 beyond.
+# Backward: 512 elements per loop iteration, 8 per thread (16, one warp, at 128 and 256), 3
+# pipeline stages, 8 persistent programs per SM.
 # Neither depends on the row count (only the grid does): a row's fp32 reduction tree follows its
 # layout along the row, so a rows-dependent block could give a token other bits in another batch
 # (test_rows_get_the_same_bits_in_any_batch), and a new token count never compiles a new kernel.

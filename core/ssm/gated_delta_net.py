@@ -368,9 +368,14 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             return self._apply_unfused_gated_norm_scaled(x, gate, scale)
         activation = validate_gated_norm(self, x, gate)  # and fused_gated_norm's input checks
         norm = self.out_norm
+        if _has_backward_hooks(norm):
+            raise RuntimeError(
+                "GatedDeltaNet: out_norm (or every module) has backward hooks; the fused output "
+                "norm computes out_norm's gradient inside one kernel and cannot run them. Turn "
+                "fused_gated_norm off for this model."
+            )
         hooked = _has_forward_hooks(norm)
-        if hooked or _has_backward_hooks(norm):
-            args = self._run_out_norm_pre_hooks(x)
+        args = self._run_out_norm_pre_hooks(x) if hooked else None
         # A [B, S, H, D] view of an [S, B, H, D] buffer: megatron's reshape + transpose +
         # .contiguous() that follows in _gated_norm_and_a2a is then free. The kernel multiplies
         # dW by the scale before its single rounding.
@@ -390,17 +395,10 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         """out_norm is never called on the fused path, so its hooks run here, around the kernel:
         its forward pre-hooks before its weight is read, with the input megatron's call would
         give it (megatron's DDP with ``overlap_param_gather`` waits there for the weight's
-        all-gather). A hook that replaces that input, or a backward hook, has nothing to act on
-        inside the one kernel: RuntimeError."""
-        norm = self.out_norm
-        if _has_backward_hooks(norm):
-            raise RuntimeError(
-                "GatedDeltaNet: out_norm (or every module) has backward hooks; the fused output "
-                "norm computes out_norm's gradient inside one kernel and cannot run them. Turn "
-                "fused_gated_norm off for this model."
-            )
+        all-gather). A hook that replaces that input has nothing to act on inside the one
+        kernel: RuntimeError."""
         args = (x.reshape(-1, x.shape[-1]),)
-        after = run_forward_pre_hooks(norm, args)
+        after = run_forward_pre_hooks(self.out_norm, args)
         if len(after) != 1 or after[0] is not args[0]:
             raise RuntimeError(
                 "GatedDeltaNet: a forward pre-hook of out_norm replaces the norm's input; the "

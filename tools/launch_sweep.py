@@ -144,9 +144,9 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     more memory); its dW sum alone (the fixed-order sum of the row kernel's per-program fp32
     partials, rounded to the weight's dtype); torch's ``sum(0).to(dtype)`` of the same partials;
     and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
-    plan = fgn._backward_plan(x, g, w, rstd, dy, zero_centered=False, activation="silu", bt=None,
-                              warps=None, programs=None, stages=None, weight_grad_scale=1.0,
-                              dw_sum_pdl=None)
+    _, plan = fgn._backward_plan(x, g, w, rstd, dy, zero_centered=False, activation="silu",
+                                 bt=None, warps=None, programs=None, stages=None,
+                                 weight_grad_scale=1.0, dw_sum_pdl=None)
     dx, dgate = torch.empty_like(x), torch.empty_like(g)
     partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
     dweight = torch.empty_like(w)

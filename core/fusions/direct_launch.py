@@ -165,11 +165,14 @@ class DirectLauncher:
             signature = self.signatures[static] = next(self._next_signature)
         return PreparedLaunch(scalars, num_warps, signature, launch_pdl)
 
-    def launch(self, grid: int, tensors: tuple, prepared: PreparedLaunch) -> None:
-        """Launch with ``prepared`` arguments; ``tensors`` have the dtypes it was prepared for."""
+    def launch(self, grid: int, tensors: tuple, prepared: PreparedLaunch,
+               device: Optional[int] = None) -> None:
+        """Launch with ``prepared`` arguments; ``tensors`` have the dtypes it was prepared for.
+        ``device``: the current CUDA device where the caller has read it, else asked here."""
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
         if self.compiled:  # something compiled exists, so there is a driver to ask
-            device = driver.active.get_current_device()  # the device JITFunction.run would use
+            if device is None:  # the device JITFunction.run would use
+                device = driver.active.get_current_device()
             compiled = self.compiled.get(_launch_key(device, prepared.signature, pointers))
             if compiled is not None:
                 self._run(compiled, grid, device, tensors, pointers, prepared.scalars)

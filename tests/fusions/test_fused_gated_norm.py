@@ -504,6 +504,20 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         fused_gated_norm(x, gate, weight, EPS)
 
 
+def test_impls_take_cpu_tensors_only_under_the_interpreter(monkeypatch):
+    """forward_impl and backward_impl name the device rule too, also where no CUDA device can
+    be asked which one is current (this machine, on the CPU)."""
+    monkeypatch.setattr(kernel_module, "INTERPRETED", False)
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    x, gate, weight = (t.cpu() for t in make_inputs((1, 2, 2, 64), torch.bfloat16))
+    rstd = torch.ones(x.shape[:3])
+    rule = "x must be a CUDA tensor .*TRITON_INTERPRET=1.*got device cpu"
+    with pytest.raises(ValueError, match="forward_impl: " + rule):
+        kernel_module.forward_impl(x, gate, weight, EPS)
+    with pytest.raises(ValueError, match="backward_impl: " + rule):
+        kernel_module.backward_impl(x, gate, weight, rstd, x)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"out_layout": "hbsd"}, ValueError, "out_layout must be one of"),
     ({"activation": "gelu"}, ValueError, "activation must be one of"),
@@ -538,12 +552,54 @@ def test_impls_check_eps_and_the_weight_grad_scale():
 
 def _impl_calls():
     """(call, exception, message) of forward_impl / backward_impl with one bad argument each;
-    every call follows a good one with the same launch options, so the checks cannot hide
-    behind a kept launch plan."""
+    every call follows good ones with the same launch options, and with values a dict key
+    cannot tell from the bad ones (1 == True), so the checks cannot hide behind a kept launch
+    plan."""
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
     rstd = kernel_module.forward_impl(x, gate, weight, EPS)[1]
     fwd, bwd = kernel_module.forward_impl, kernel_module.backward_impl
+    fwd(x, gate, weight, 1)
+    fwd(x, gate, weight, EPS, bt=1)
+    bwd(x, gate, weight, rstd, x)
+    bwd(x, gate, weight, rstd, x, weight_grad_scale=1)
+    bwd(x, gate, weight, rstd, x, programs=1)
+    meta = {name: t.to("meta") for name, t in (("x", x), ("weight", weight), ("rstd", rstd))}
     return {
+        "eps_bool": (lambda: fwd(x, gate, weight, True), TypeError,
+                     "forward_impl: eps must be a Python float or int, got bool"),
+        "bt_bool": (lambda: fwd(x, gate, weight, EPS, bt=True), TypeError,
+                    "forward_impl: bt must be None or an int, got bool"),
+        "gate_none": (lambda: fwd(x, None, weight, EPS), TypeError,
+                      "forward_impl: gate must be a torch.Tensor, got NoneType"),
+        "x_list": (lambda: fwd(x.tolist(), gate, weight, EPS), TypeError,
+                   "forward_impl: x must be a torch.Tensor, got list"),
+        "gate_device": (lambda: fwd(x, meta["x"], weight, EPS), ValueError,
+                        "forward_impl: x, gate, out and weight must be on one device"),
+        "out_device": (lambda: fwd(x, gate, weight, EPS, out=meta["x"]), ValueError,
+                       "forward_impl: x, gate, out and weight must be on one device"),
+        "weight_device": (lambda: fwd(x, gate, meta["weight"], EPS), ValueError,
+                          "forward_impl: x, gate, out and weight must be on one device"),
+        "empty_gate_none": (lambda: fwd(x[:, :0], None, weight, EPS), TypeError,
+                            "forward_impl: gate must be a torch.Tensor"),
+        "weight_grad_scale_bool": (lambda: bwd(x, gate, weight, rstd, x, weight_grad_scale=True),
+                                   TypeError, "backward_impl: weight_grad_scale must be a Python "
+                                              "float or int, got bool"),
+        "programs_bool": (lambda: bwd(x, gate, weight, rstd, x, programs=True), TypeError,
+                          "backward_impl: programs must be None or an int, got bool"),
+        "dy_none": (lambda: bwd(x, gate, weight, rstd, None), TypeError,
+                    "backward_impl: dy must be a torch.Tensor, got NoneType"),
+        "rstd_none": (lambda: bwd(x, gate, weight, None, x), TypeError,
+                      "backward_impl: rstd must be a torch.Tensor, got NoneType"),
+        "dy_device": (lambda: bwd(x, gate, weight, rstd, meta["x"]), ValueError,
+                      "backward_impl: x, gate, dy and weight must be on one device"),
+        "rstd_device": (lambda: bwd(x, gate, weight, meta["rstd"], x), ValueError,
+                        r"backward_impl: rstd must be a contiguous tensor of shape \(1, 2, 2\) on"),
+        "empty_dy_none": (lambda: bwd(x[:, :0], gate[:, :0], weight, rstd[:, :0], None),
+                          TypeError, "backward_impl: dy must be a torch.Tensor"),
+        "empty_rstd_dtype": (lambda: bwd(x[:, :0], gate[:, :0], weight, rstd[:, :0].double(), x[:, :0]),
+                             TypeError, "backward_impl: rstd dtype must be fp32"),
+        "empty_eps": (lambda: fwd(x[:, :0], gate[:, :0], weight, 0.0), ValueError,
+                      "forward_impl: eps must be finite and > 0"),
         "gate_shape": (lambda: fwd(x, gate[:, :1], weight, EPS), ValueError,
                        "forward_impl: gate must have x's shape"),
         "out_shape": (lambda: fwd(x, gate, weight, EPS, out=x[:, :1].clone()), ValueError,
@@ -855,6 +911,49 @@ def test_launch_plan_table_is_bounded(monkeypatch):
     for tokens in range(1, 7):  # a new token count per step: a new signature each
         kernel_module.forward_impl(x[:, :tokens], gate[:, :tokens], weight, EPS)
         assert len(kernel_module._launch_plans) <= 3
+
+
+def test_input_rules_run_again_for_any_other_metadata(monkeypatch):
+    """fused_gated_norm's input rules pass inputs whose metadata equals that of inputs that
+    passed without evaluating the rules again; anything else (strides, a dtype, a device, the
+    current device, eps or only eps's type) goes through them."""
+    monkeypatch.setattr(kernel_module, "_checked_inputs", {})
+    evaluated = []
+    rules = kernel_module.check_gated_norm_tensors
+    monkeypatch.setattr(kernel_module, "check_gated_norm_tensors",
+                        lambda *args: (evaluated.append(args[1:]), rules(*args)))
+    current = [None]
+    monkeypatch.setattr(kernel_module, "_current_device", lambda: current[0])
+    x, gate, weight = make_inputs((2, 3, 2, 64), torch.bfloat16)
+    check = kernel_module.check_gated_norm_inputs
+    check(x, gate, weight, EPS)
+    check(x.clone(), gate.clone(), weight.clone(), EPS)  # other tensors, the same metadata
+    assert len(evaluated) == 1
+    others = [(sbhd_view(x), gate, weight, EPS),
+              (x, packed_projection_gate(x.shape, x.dtype), weight, EPS),
+              (x, gate, weight.float(), EPS),
+              (x, gate, torch.nn.Parameter(weight), EPS),
+              (x, gate, weight, 1),
+              (x, gate, weight, 1.0)]
+    for args in others:
+        check(*args)
+    assert len(evaluated) == 1 + len(others)
+    current[0] = 1  # as on a GPU after torch.cuda.set_device
+    check(x, gate, weight, EPS)
+    assert len(evaluated) == 2 + len(others)
+    with pytest.raises(TypeError, match="eps must be a Python float or int, got bool"):
+        check(x, gate, weight, True)  # True == 1, which passed
+    with pytest.raises(ValueError, match="must be on one device"):
+        check(x, gate.to("meta"), weight, EPS)
+
+
+def test_input_rule_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(kernel_module, "_checked_inputs", {})
+    monkeypatch.setattr(kernel_module, "MAX_CHECKED_INPUTS", 3)
+    x, gate, weight = make_inputs((1, 6, 2, 32), torch.float32)
+    for tokens in range(1, 7):
+        kernel_module.check_gated_norm_inputs(x[:, :tokens], gate[:, :tokens], weight, EPS)
+        assert len(kernel_module._checked_inputs) <= 3
 
 
 def test_an_interpreter_that_cannot_run_the_backward_loop_is_named(monkeypatch):

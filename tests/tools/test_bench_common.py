@@ -223,8 +223,9 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     sums = []
     summing = fgn.launch_dw_sum.launch
     monkeypatch.setattr(fgn.launch_dw_sum, "launch",
-                        lambda grid, tensors, prepared: (summing(grid, tensors, prepared),
-                                                         sums.append(tensors[1].clone())))
+                        lambda grid, tensors, prepared, device=None: (
+                            summing(grid, tensors, prepared, device),
+                            sums.append(tensors[1].clone())))
     medians = launch_sweep.backward_parts(x, g, w, rstd, dy)
     names = ("row_kernel_us", "row_kernel_then_empty_us", "row_kernel_then_dw_sum_us",
              "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us")

@@ -594,8 +594,9 @@ def forward_impl(
     buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
     dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
     ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant. The
-    tensors and options are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when
-    their launch signature is new, the same plan serving every later call that matches it."""
+    tensors, eps and the activation are checked (``fused_gated_norm``'s rules, TypeError /
+    ValueError) when their launch signature (everything those checks read) is new, the same
+    plan serving every later call that matches it; the flags and overrides on every call."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     check_bool("forward_impl", "store_rstd", store_rstd)
     if bt is not None or warps is not None or pdl is not None:  # checked on every call
@@ -638,7 +639,8 @@ def backward_impl(
     ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype. ``zero_centered``
     must be a bool (TypeError otherwise). ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl``
     override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). The tensors (rstd
-    as forward_impl returns it) and options are checked when their launch signature is new.
+    as forward_impl returns it), the activation and the scale are checked when their launch
+    signature is new, as in forward_impl; the flag and overrides on every call.
     """
     check_bool("backward_impl", "zero_centered", zero_centered)
     if not (bt is None and warps is None and programs is None and stages is None
@@ -900,8 +902,8 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
 
     Runs on every call. The rules read only host metadata, so inputs whose metadata equals that
     of inputs that passed (each tensor's type, shape, strides, dtype and device, the current
-    device, eps and its type) pass again: one key built and looked up (~1 us) instead of every
-    rule (~3 us). Anything else, and every call that torch.compile traces, goes through the
+    device, eps and its type) pass again after one lookup instead of every rule (docs/design.md,
+    Host cost). Anything else, and every call that torch.compile traces, goes through the
     rules."""
     key = None
     if not torch.compiler.is_compiling():

@@ -39,6 +39,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_validation as validation  # noqa: E402
 import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -129,12 +130,12 @@ def _cpu_tensors_pass_validation():
     """The launches are recorded from CPU tensors, never run: while open, the wrappers' input
     checks take CPU tensors, as under the interpreter (the kernels compile for sm_90 all the
     same)."""
-    saved = fgn.INTERPRETED
-    fgn.INTERPRETED = True
+    saved = validation.INTERPRETED
+    validation.INTERPRETED = True
     try:
         yield
     finally:
-        fgn.INTERPRETED = saved
+        validation.INTERPRETED = saved
 
 
 def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl):

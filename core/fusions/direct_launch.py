@@ -209,8 +209,8 @@ class DirectLauncher:
         """The call JITFunction.run makes once it has found the kernel, with two savings:
         - pointers go in as integers: the launcher then skips its per-tensor driver query
           (cuPointerGetAttribute), which only checks that the address is device memory; the
-          callers' validation requires CUDA tensors (fused_gated_norm.check_operands), and the first
-          launch of every key went through JITFunction.run, which made the check itself;
+          callers' validation requires CUDA tensors (gated_norm_validation.check_operands), and the
+          first launch of every key went through JITFunction.run, which made the check itself;
         - with no launch hook registered (Triton 3.6-3.8 keep empty hook chains and call
           them on every launch), neither the hooks nor their metadata are built or called.
         ``self.compiled`` keeps the CompiledKernel itself, not its ``function`` handle: from

@@ -9,8 +9,9 @@ projection, a transposed sbhd view); the kernels address them in place. The norm
 Layers, top to bottom (docs/design.md has the picture):
   fused_gated_norm -> _FusedGatedNorm -> forward_impl / backward_impl
       -> gated_norm_fwd / gated_norm_bwd + gated_norm_dw_sum (through direct_launch.py)
-  validate_gated_norm: the host-side checks a Megatron module runs on every fused forward.
-Launch parameters come from ``gated_norm_launch``; numerics are explained in docs/numerics.md.
+The input rules, and ``validate_gated_norm`` (the host-side checks a Megatron module runs on
+every fused forward, importable from here), are in ``gated_norm_validation``; launch parameters
+come from ``gated_norm_launch``; numerics are explained in docs/numerics.md.
 """
 
 from __future__ import annotations
@@ -24,20 +25,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
-from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS, BackwardLaunch,
-                                            backward_launch, cdiv, forward_launch,
+from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
+    FUSED_GATED_NORM, INTERPRETED, NOT_TENSOR_ERRORS, check_activation, check_bool,
+    check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
+    check_positive_number, check_rstd, current_device, keep, kept, validate_gated_norm)
+from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
                                             next_power_of_2)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-SUPPORTED_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SUPPORTED_ACTIVATIONS = ("silu", "sigmoid")
 OUT_LAYOUTS = ("bshd", "sbhd")
 
 
-# Triton compiles for the GPU; on the CPU its interpreter runs the kernels. Each takes its own
-# device's tensors only (a meta tensor has no memory for either).
-DEVICE_RULE = ("(compiled kernels take CUDA tensors; the Triton interpreter, TRITON_INTERPRET=1, "
-               "takes CPU tensors)")
 
 
 # Kernel arguments that change with the token count (packed sequences of varying total length).
@@ -75,7 +73,6 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 
 # The GPU's fp32->bf16 conversion (cvt.rn) is IEEE round-to-nearest-even; the interpreter's
 # truncates. Decided once, like triton.jit's own choice between compiling and interpreting.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
 _EXACT_BF16_CAST = tl.constexpr(not INTERPRETED)
 # exp(-g) as one flush-to-zero ex2 on the GPU (_exp_neg); the interpreter keeps numpy's exp.
 _EXP2_FTZ = tl.constexpr(not INTERPRETED)
@@ -453,28 +450,8 @@ class BackwardPlan(NamedTuple):
     dw_sum: PreparedLaunch
 
 
-def _keep(table: dict, key: Optional[tuple], value, bound: int):
-    """Keeps ``value`` under a checked signature ``key`` (None: nothing to keep under); a full
-    table starts over."""
-    if key is not None:
-        if len(table) >= bound:
-            table.clear()
-        table[key] = value
-    return value
 
 
-def _kept(table: dict, key: tuple):
-    """The value kept for ``key``, or None: also for a key that holds an option no dict takes (a
-    list given as eps or the activation), which the checks of a new signature then name."""
-    try:
-        return table.get(key)
-    except TypeError:
-        return None
-
-
-def _current_device() -> Optional[int]:
-    """The CUDA device the kernels launch on; None under the interpreter (CPU tensors)."""
-    return None if INTERPRETED else torch.cuda.current_device()
 
 
 def _geometry(x, launch_rule, bt):
@@ -485,12 +462,10 @@ def _geometry(x, launch_rule, bt):
     return batch * seq * heads, seq, heads, dim, cfg, bt or cfg.bt
 
 
-# A plan is kept under everything its signature's checks read (each tensor's shape, strides,
-# dtype and device, the current device, the options, eps and the dW scale with their types:
-# True == 1 in a dict), so a kept plan means those checks passed for exactly these values. The
-# flags and launch overrides are checked on every call. Building a key fails only for an
-# argument that is not a tensor; the checks then name it.
-_NOT_TENSORS = (AttributeError, TypeError, RuntimeError)
+# A plan is kept under everything its signature's checks read, as a checked signature
+# (gated_norm_validation): each tensor's shape, strides, dtype and device, the current device, the
+# options, eps and the dW scale with their types. The flags and launch overrides are checked on
+# every call.
 
 
 def _check_forward(x, gate, weight, out, eps, activation) -> None:
@@ -510,15 +485,15 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
                   store_rstd) -> tuple[Optional[int], ForwardPlan]:
     """(the current device, the plan); the device is read once, for the key and the launch."""
     try:
-        device = _current_device()
+        device = current_device()
         key = ("fwd", device,
                x.shape, x.stride(), x.dtype, x.device, gate.shape, gate.stride(), gate.dtype,
                gate.device, out.shape, out.stride(), out.dtype, out.device,
                weight.shape, weight.stride(), weight.dtype, weight.device,
                type(eps), eps, zero_centered, activation, bt, warps, pdl, store_rstd)
-    except _NOT_TENSORS:
+    except NOT_TENSOR_ERRORS:
         device = key = None
-    plan = _kept(_launch_plans, key)
+    plan = kept(_launch_plans, key)
     if plan is not None:
         return device, plan
     _check_forward(x, gate, weight, out, eps, activation)  # a new signature
@@ -530,7 +505,7 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
                                      store_rstd, bt, cfg.block_d, pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32 if store_rstd else None)
-    return device, _keep(_launch_plans, key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
+    return device, keep(_launch_plans, key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
         dtypes, scalars, warps or cfg.warps, pdl)), MAX_PLANS)
 
 
@@ -538,7 +513,7 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
                    stages, weight_grad_scale, dw_sum_pdl) -> tuple[Optional[int], BackwardPlan]:
     """(the current device, the plan), as _forward_plan."""
     try:
-        device = _current_device()
+        device = current_device()
         key = ("bwd", device,
                x.shape, x.stride(), x.dtype, x.device, gate.shape, gate.stride(), gate.dtype,
                gate.device, dy.shape, dy.stride(), dy.dtype, dy.device,
@@ -546,9 +521,9 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
                rstd.shape, rstd.stride(), rstd.dtype, rstd.device,
                zero_centered, activation, type(weight_grad_scale), weight_grad_scale,
                bt, warps, programs, stages, dw_sum_pdl)
-    except _NOT_TENSORS:
+    except NOT_TENSOR_ERRORS:
         device = key = None
-    plan = _kept(_launch_plans, key)
+    plan = kept(_launch_plans, key)
     if plan is not None:
         return device, plan
     _check_backward(x, gate, weight, rstd, dy, activation, weight_grad_scale)  # a new signature
@@ -568,7 +543,7 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
                stages or cfg.stages, cfg.dw_sum_pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
               torch.float32)
-    return device, _keep(_launch_plans, key, BackwardPlan(
+    return device, keep(_launch_plans, key, BackwardPlan(
         programs, launch_backward.prepare(dtypes, scalars, warps or cfg.warps),
         *_dw_sum_launch(programs, dim, w_dtype, cfg, weight_grad_scale)), MAX_PLANS)
 
@@ -877,297 +852,3 @@ def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, 
     else:  # nothing to differentiate (inference, a recompute's first forward): no rstd, no ctx
         buffer, _ = _forward_buffer(x, gate, weight, *options[:4], store_rstd=False)
     return _as_bshd(buffer, out_layout)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation: host-side metadata only (no CUDA synchronisation, no tensor reads)
-# ----------------------------------------------------------------------------------------------
-#
-# The rules both entries share (this one and the inference entry, gated_norm_inference.py) are
-# the check_* helpers below, called by each entry after its own shape rules. Exception types:
-# TypeError for an argument of the wrong type (not a tensor, an unsupported dtype, a non-bool
-# flag, a non-number eps), ValueError for a value breaking a rule (shape, stride, device, a limit,
-# a range, an option).
-
-FUSED_GATED_NORM = "fused_gated_norm"
-
-
-MAX_CHECKED_INPUTS = 256
-_checked_inputs: dict = {}
-
-
-def check_gated_norm_inputs(x, gate, weight, eps) -> None:
-    """The tensor and eps rules of ``fused_gated_norm``; raises TypeError/ValueError naming the
-    argument and the rule; nothing is launched.
-
-    Runs on every call. The rules read only host metadata, so inputs whose metadata equals that
-    of inputs that passed (each tensor's type, shape, strides, dtype and device, the current
-    device, eps and its type) pass again after one lookup instead of every rule (docs/design.md,
-    Host cost). Anything else, and every call that torch.compile traces, goes through the
-    rules."""
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (_current_device(),
-                   type(x), x.shape, x.stride(), x.dtype, x.device,
-                   type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
-                   type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-                   type(eps), eps)
-        except _NOT_TENSORS:
-            key = None
-        if _kept(_checked_inputs, key):
-            return
-    check_gated_norm_tensors(FUSED_GATED_NORM, x, gate, weight)
-    check_positive_number(FUSED_GATED_NORM, "eps", eps)
-    _keep(_checked_inputs, key, True, MAX_CHECKED_INPUTS)
-
-
-def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = ()) -> None:
-    """The tensor rules of ``check_gated_norm_inputs`` for x, gate, the weight and ``others``
-    (``(name, tensor)`` pairs of x's shape and dtype, such as forward_impl's out)."""
-    check_tensors(entry, (("x", x), ("gate", gate), ("weight", weight), *others))
-    shape = x.shape
-    if len(shape) != 4:
-        raise ValueError(
-            f"{entry}: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(shape)}"
-        )
-    operands = (("gate", gate), *others)
-    for name, t in operands:
-        if t.shape != shape:
-            raise ValueError(f"{entry}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
-    batch, seq, heads, dim = shape
-    rows = batch * seq * heads
-    check_operands(entry, x, operands, weight, dim)
-    check_head_dim(entry, "the head dim (x's last dim)", dim)
-    check_rows(entry, "batch * sequence * heads", rows)
-    if rows and dim:  # an empty view may have any strides
-        check_last_dim_stride(entry, (("x", x), *operands))
-
-
-def check_tensors(entry: str, named: tuple) -> None:
-    """Each ``(name, value)`` is a torch.Tensor (TypeError)."""
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def check_bool(entry: str, name: str, value) -> None:
-    """``value`` is a bool (TypeError): a flag selects a compiled kernel variant, and a string,
-    None, 0, 1 or 0.5 would be taken as a truth value without complaint."""
-    if type(value) is not bool:
-        raise TypeError(f"{entry}: {name} must be a bool (True or False), got {value!r}")
-
-
-# The kernels take eps and the dW scale as fp32: a value outside the normal fp32 range would
-# become inf, 0 or a subnormal that the GPU's arithmetic flushes to 0.
-FP32_MIN_NORMAL = 2.0**-126
-FP32_MAX = 3.4028234663852886e38
-
-
-def check_positive_number(entry: str, name: str, value) -> None:
-    """A Python float or int (not a bool, not a tensor: reading one would sync the device),
-    finite and > 0 as a normal fp32 number (the kernels' type): TypeError for the type,
-    ValueError for the value."""
-    if type(value) is not float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        raise TypeError(f"{entry}: {name} must be a Python float or int, got {type(value).__name__}")
-    if not FP32_MIN_NORMAL <= value <= FP32_MAX:  # the comparison also rejects NaN
-        raise ValueError(f"{entry}: {name} must be finite and > 0, a normal fp32 number "
-                         f"({FP32_MIN_NORMAL:.6g} to {FP32_MAX:.6g}), got {value!r}")
-
-
-def check_activation(entry: str, activation, names: tuple = SUPPORTED_ACTIVATIONS) -> None:
-    """One of ``names`` (the entry's spellings of the kernels' activations): TypeError for a
-    non-string, ValueError for another name (the kernels select the activation by name and
-    have no other)."""
-    if not isinstance(activation, str):
-        raise TypeError(f"{entry}: activation must be a str, got {type(activation).__name__}")
-    if activation not in names:
-        raise ValueError(f"{entry}: activation must be one of {names}, got {activation!r}")
-
-
-def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
-                   dim: int) -> None:
-    """The dtype (TypeError), device, weight shape and weight contiguity rules (ValueError) of
-    x, its ``(name, tensor)`` operands (gate / z, out: x's dtype and device) and the weight.
-
-    The device rule comes before any rule that reads an address (the inference entry's overlap
-    checks): the kernels take CUDA tensors when compiled, CPU tensors under the interpreter; a
-    meta tensor has no memory at all."""
-    dtype = x.dtype
-    if dtype not in SUPPORTED_ACTIVATION_DTYPES:
-        raise TypeError(f"{entry}: x dtype must be bf16, fp16 or fp32, got {dtype}")
-    for name, t in operands:
-        if t.dtype != dtype:
-            raise TypeError(f"{entry}: {name} dtype must equal x's dtype {dtype}, got {t.dtype}")
-    weight_dtype = weight.dtype
-    if weight_dtype != dtype and weight_dtype != torch.float32:
-        raise TypeError(f"{entry}: weight dtype must be fp32 or x's dtype {dtype}, got {weight_dtype}")
-    device = x.device
-    devices = [device] + [t.device for _, t in operands] + [weight.device]
-    if devices.count(device) != len(devices):
-        names = ", ".join(["x"] + [name for name, _ in operands])
-        raise ValueError(f"{entry}: {names} and weight must be on one device, got "
-                         f"{', '.join(str(d) for d in devices)}")
-    kernel_device = "cpu" if INTERPRETED else "cuda"
-    if device.type != kernel_device:
-        raise ValueError(f"{entry}: x must be a {kernel_device.upper()} tensor {DEVICE_RULE}, "
-                         f"got device {device}")
-    if not INTERPRETED:
-        check_current_device(entry, device, torch.cuda.current_device())
-    if weight.shape != (dim,):
-        raise ValueError(f"{entry}: weight must have shape ({dim},) (one value per element of a "
-                         f"head), got {tuple(weight.shape)}")
-    if dim and weight.stride()[0] != 1:
-        raise ValueError(f"{entry}: weight must be contiguous, got stride {weight.stride()}")
-
-
-def check_current_device(entry: str, device: torch.device, current: int) -> None:
-    """x is on the current CUDA device (ValueError): a kernel launches there, on its stream, so
-    another device's addresses would be read from the wrong GPU."""
-    if device.index != current:
-        raise ValueError(
-            f"{entry}: x must be on the current CUDA device (cuda:{current}), where the kernels "
-            f"launch, got {device}; make it current first (torch.cuda.set_device, or `with "
-            "torch.cuda.device(x.device):`)"
-        )
-
-
-def check_head_dim(entry: str, dim_name: str, dim: int) -> None:
-    """At most MAX_HEAD_DIM elements per row (ValueError): a row lives in registers."""
-    if dim > MAX_HEAD_DIM:
-        raise ValueError(f"{entry}: {dim_name} must be <= {MAX_HEAD_DIM}, got {dim}")
-
-
-def check_rows(entry: str, rows_name: str, rows: int) -> None:
-    """At most MAX_ROWS rows (ValueError): row indices are 32-bit in the kernels (element
-    offsets are 64-bit)."""
-    if rows > MAX_ROWS:
-        raise ValueError(f"{entry}: {rows_name} must be <= {MAX_ROWS} (the row count; row "
-                         f"indices are 32-bit), got {rows}")
-
-
-def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
-    """rstd as forward_impl returns it: a contiguous fp32 [batch, sequence, heads] tensor on x's
-    device (TypeError for type and dtype, ValueError otherwise)."""
-    check_tensors(entry, (("rstd", rstd),))
-    if rstd.dtype != torch.float32:
-        raise TypeError(f"{entry}: rstd dtype must be fp32, got {rstd.dtype}")
-    if rstd.shape != x.shape[:3] or rstd.device != x.device or not rstd.is_contiguous():
-        raise ValueError(
-            f"{entry}: rstd must be a contiguous tensor of shape {tuple(x.shape[:3])} on "
-            f"{x.device} (forward_impl's), got shape {tuple(rstd.shape)}, strides "
-            f"{rstd.stride()} on {rstd.device}"
-        )
-
-
-def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
-    """Launch-parameter overrides of the ``*_impl`` wrappers: each ``(name, value)`` of
-    ``counts`` None or a positive int (``bt`` and ``warps`` also a power of two: a block and
-    a warp count), each of ``switches`` None or a bool."""
-    for name, value in counts:
-        if value is None:
-            continue
-        if type(value) is not int:
-            raise TypeError(f"{entry}: {name} must be None or an int, got {type(value).__name__}")
-        if value < 1 or (name in ("bt", "warps") and value & (value - 1)):
-            rule = "a power of two" if name in ("bt", "warps") else ">= 1"
-            raise ValueError(f"{entry}: {name} must be {rule}, got {value}")
-    for name, value in switches:
-        if value is not None:
-            check_bool(entry, name, value)
-
-
-def check_last_dim_stride(entry: str, named: tuple) -> list:
-    """Each ``(name, tensor)`` has a unit last-dim stride (ValueError); returns their strides."""
-    strides = []
-    for name, t in named:
-        stride = t.stride()
-        if stride[-1] != 1:
-            if t.layout != torch.strided:  # a sparse tensor reports zero strides
-                raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
-                                f"{t.layout}")
-            raise ValueError(f"{entry}: {name} must have last-dim stride 1, got strides {stride}")
-        strides.append(stride)
-    return strides
-
-
-def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
-    """Check that a Megatron GatedDeltaNet ``module`` can take the fused output norm for these
-    inputs; runs on every fused forward, recomputation included. Host-side metadata only.
-    Returns the kernel's name of the gate activation it checked ('silu' or 'sigmoid').
-
-    ``module`` needs ``config`` (a TransformerConfig) and ``out_norm`` (the weight holder); the
-    gate activation is its ``act_fn`` (what megatron's unfused path applies), else
-    ``config.activation_func``. Where the module says whether the kernel centres the weight
-    (``out_norm_zero_centered``, ours) and out_norm says whether it does
-    (``zero_centered_gamma``), the two must agree."""
-    config = module.config
-    if config.normalization != "RMSNorm":
-        raise ValueError(
-            f"fused_gated_norm requires normalization='RMSNorm', got {config.normalization!r}"
-        )
-    act_fn = getattr(module, "act_fn", config.activation_func)
-    activation = gate_activation_name(act_fn)
-    if activation is None:
-        raise ValueError(
-            "fused_gated_norm requires a silu or sigmoid gate activation (the module's act_fn, "
-            f"config.activation_func), got {getattr(act_fn, '__name__', act_fn)!r}"
-        )
-    norm = module.out_norm
-    weight = getattr(norm, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError("fused_gated_norm requires out_norm to have a weight")
-    if getattr(norm, "bias", None) is not None:
-        raise ValueError("fused_gated_norm requires out_norm without a bias (RMSNorm has none)")
-    head_dim = config.linear_value_head_dim
-    if tuple(weight.shape) != (head_dim,):
-        raise ValueError(
-            f"fused_gated_norm requires out_norm.weight of shape ({head_dim},) "
-            f"(linear_value_head_dim), got {tuple(weight.shape)}"
-        )
-    zero_centered = getattr(module, "out_norm_zero_centered", None)  # what the kernel applies
-    norm_zero_centered = getattr(norm, "zero_centered_gamma", None)
-    if (zero_centered is not None and norm_zero_centered is not None
-            and bool(norm_zero_centered) != zero_centered):
-        raise ValueError(
-            f"fused_gated_norm requires out_norm.zero_centered_gamma ({norm_zero_centered}) to "
-            f"equal the module's out_norm_zero_centered ({zero_centered}), set from the config"
-        )
-    norm_eps = norm_epsilon(norm)
-    if norm_eps is not None and norm_eps != config.layernorm_epsilon:
-        raise ValueError(
-            f"fused_gated_norm requires out_norm eps ({norm_eps}) to equal "
-            f"config.layernorm_epsilon ({config.layernorm_epsilon})"
-        )
-    heads = getattr(module, "num_value_heads_local_tp_cp", None)
-    if heads is None:  # a module without our attribute: value heads split by TP, then CP
-        heads = (config.linear_num_value_heads // getattr(module, "tp_size", 1)
-                 // getattr(module, "cp_size", 1))
-    for name, t in (("core_attn_out", x), ("gate", gate)):
-        if t.dim() != 4 or tuple(t.shape[-2:]) != (heads, head_dim):
-            raise ValueError(
-                f"fused_gated_norm requires {name} of shape [batch, seq, {heads}, {head_dim}] "
-                f"(local value heads, linear_value_head_dim), got {tuple(t.shape)}"
-            )
-    check_gated_norm_inputs(x, gate, weight, config.layernorm_epsilon)
-    return activation
-
-
-def gate_activation_name(fn) -> Optional[str]:
-    """'silu' or 'sigmoid' when ``fn`` is one the kernel implements, else None. Functions
-    only: megatron calls ``activation_func(tensor)`` and reads its ``__name__``, so a module class
-    such as ``torch.nn.SiLU`` is not an activation function there."""
-    if fn is torch.nn.functional.silu:
-        return "silu"
-    if fn in (torch.sigmoid, torch.nn.functional.sigmoid):
-        return "sigmoid"
-    return None
-
-
-def norm_epsilon(norm) -> Optional[float]:
-    """The eps a norm module was built with (TE and torch modules spell it differently)."""
-    for attr in ("eps", "epsilon", "variance_epsilon"):
-        value = getattr(norm, attr, None)
-        if isinstance(value, (float, int)):
-            return float(value)
-    return None

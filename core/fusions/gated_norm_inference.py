@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import (check_activation, check_bool, check_head_dim,
-                                           check_last_dim_stride, check_operands,
-                                           check_positive_number, check_rows, check_tensors,
-                                           dense_blocks, launch_gated_norm_fwd)
+from core.fusions.fused_gated_norm import dense_blocks, launch_gated_norm_fwd
+from core.fusions.gated_norm_validation import (check_activation, check_bool, check_head_dim,
+                                            check_last_dim_stride, check_operands,
+                                            check_positive_number, check_rows, check_tensors)
 from core.fusions.gated_norm_launch import forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.

@@ -48,11 +48,8 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet as _MegatronGatedDel
 from megatron.core.tensor_parallel import random as _tensor_parallel_random
 from megatron.core.transformer.spec_utils import build_module
 
-from core.fusions.fused_gated_norm import (
-    apply_validated_gated_norm,
-    gate_activation_name,
-    validate_gated_norm,
-)
+from core.fusions.fused_gated_norm import apply_validated_gated_norm, validate_gated_norm
+from core.fusions.gated_norm_validation import gate_activation_name
 from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
 
 # The tag megatron's finalize_model_grads AVG-reduces over TP, sequence parallelism on or off.

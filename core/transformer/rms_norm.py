@@ -16,7 +16,7 @@ import torch
 
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from core.fusions.fused_gated_norm import check_bool, check_positive_number
+from core.fusions.gated_norm_validation import check_bool, check_positive_number
 from core.fusions.gated_norm_reference import rms_norm
 
 

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import (
     TransformerConfig as _MegatronTransformerConfig,
 )
 
-from core.fusions.fused_gated_norm import SUPPORTED_ACTIVATIONS, gate_activation_name
+from core.fusions.gated_norm_validation import SUPPORTED_ACTIVATIONS, gate_activation_name
 
 
 @dataclass

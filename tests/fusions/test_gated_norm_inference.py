@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import core.fusions.fused_gated_norm as kernel_module
+import core.fusions.gated_norm_validation as validation
 import core.fusions.gated_norm_inference as mod
 from core.fusions import fused_gdn_gated_rms_norm
 from core.fusions.gated_norm_launch import MAX_HEAD_DIM
@@ -203,7 +204,7 @@ BAD = {
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(kernel_module, "INTERPRETED", False)
+    monkeypatch.setattr(validation, "INTERPRETED", False)
     monkeypatch.setattr(kernel_module, "launch_forward", None)  # not reached
     args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
     with torch.no_grad(), pytest.raises(ValueError, match="x must be a CUDA tensor .*got device cpu"):

@@ -265,16 +265,18 @@ def test_counting_norm_calls_counts_each_run_of_the_norm_code_and_restores_it():
 def test_fused_forward_checks_inputs_once(monkeypatch):
     """validate_gated_norm includes the kernel's input checks; the module must not repeat them."""
     import core.fusions.fused_gated_norm as kernel_mod
+    import core.fusions.gated_norm_validation as validation
 
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     calls = []
-    real_check = kernel_mod.check_gated_norm_inputs
+    real_check = validation.check_gated_norm_inputs
 
     def counting(*args):
         calls.append(args)
         return real_check(*args)
 
-    monkeypatch.setattr(kernel_mod, "check_gated_norm_inputs", counting)
+    for mod in (kernel_mod, validation):  # where either entry would look it up
+        monkeypatch.setattr(mod, "check_gated_norm_inputs", counting)
     module._apply_gated_norm(*_xg())
     assert len(calls) == 1
 

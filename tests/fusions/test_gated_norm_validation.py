@@ -1,0 +1,133 @@
+"""The input rules (core.fusions.gated_norm_validation): validate_gated_norm's module rules, the
+current-device rule, the gate activation's spellings, and the table of checked input metadata
+behind fused_gated_norm's per-call rules. The rules as each entry applies them (every bad
+argument, before any launch): test_fused_gated_norm.py and test_gated_norm_inference.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import core.fusions.gated_norm_validation as validation
+from tests.gated_norm_inputs import EPS, make_inputs, packed_projection_gate, sbhd_view
+
+
+def _gdn_stand_in(norm_eps: dict, value_heads=8, **module_attrs):
+    """A GatedDeltaNet-like module for ``validate_gated_norm``: a config and an out_norm whose eps
+    attribute is spelled as in ``norm_eps`` (torch: eps, TE: epsilon, HF: variance_epsilon)."""
+    config = SimpleNamespace(normalization="RMSNorm", activation_func=F.silu, linear_value_head_dim=64,
+                             linear_num_value_heads=value_heads, layernorm_epsilon=EPS)
+    weight = make_inputs((1, 64), torch.bfloat16)[2]
+    return SimpleNamespace(config=config, out_norm=SimpleNamespace(weight=weight, bias=None, **norm_eps),
+                           **module_attrs)
+
+
+def test_kernels_take_tensors_of_the_current_cuda_device_only():
+    """Checked on the GPU before every launch (check_operands), here with the device numbers."""
+    validation.check_current_device("fused_gated_norm", torch.device("cuda", 1), 1)
+    with pytest.raises(ValueError, match=r"x must be on the current CUDA device \(cuda:0\), where "
+                                         r"the kernels launch, got cuda:1"):
+        validation.check_current_device("fused_gated_norm", torch.device("cuda", 1), 0)
+
+
+@pytest.mark.parametrize("norm_zero_centered", [None, False, True])
+@pytest.mark.parametrize("module_zero_centered", [None, False, True])
+def test_validation_compares_the_norms_zero_centring_with_the_module(norm_zero_centered,
+                                                                     module_zero_centered):
+    """out_norm replaced after construction by a norm that centres otherwise is refused: the
+    kernel applies the module's choice. Either side unknown (megatron's class, a norm without
+    the attribute): nothing to compare."""
+    x, gate, _ = make_inputs((1, 2, 8, 64), torch.bfloat16)
+    norm = {} if norm_zero_centered is None else {"zero_centered_gamma": norm_zero_centered}
+    attrs = {} if module_zero_centered is None else {"out_norm_zero_centered": module_zero_centered}
+    module = _gdn_stand_in({"eps": EPS, **norm}, **attrs)
+    if None in (norm_zero_centered, module_zero_centered) or norm_zero_centered == module_zero_centered:
+        validation.validate_gated_norm(module, x, gate)
+    else:
+        with pytest.raises(ValueError, match="requires out_norm.zero_centered_gamma .* to equal the "
+                                             "module's out_norm_zero_centered"):
+            validation.validate_gated_norm(module, x, gate)
+
+
+@pytest.mark.parametrize("attr", ["eps", "epsilon", "variance_epsilon"])
+def test_validation_reads_every_spelling_of_the_norm_eps(attr):
+    x, gate, _ = make_inputs((1, 2, 8, 64), torch.bfloat16)
+    validation.validate_gated_norm(_gdn_stand_in({attr: EPS}), x, gate)
+    with pytest.raises(ValueError, match=r"out_norm eps \(0\.001\) to equal config\.layernorm_epsilon"):
+        validation.validate_gated_norm(_gdn_stand_in({attr: 1e-3}), x, gate)
+    validation.validate_gated_norm(_gdn_stand_in({}), x, gate)  # no eps to compare: accepted
+
+
+@pytest.mark.parametrize("module_attrs, heads", [
+    ({}, 8),  # no split known: all value heads
+    ({"tp_size": 2}, 4),
+    ({"tp_size": 2, "cp_size": 2}, 2),
+    ({"cp_size": 4}, 2),
+    ({"tp_size": 2, "cp_size": 2, "num_value_heads_local_tp_cp": 1}, 1),  # ours wins
+], ids=["none", "tp", "tp_cp", "cp", "own_attribute"])
+def test_validation_heads_of_a_module_without_the_local_head_count(module_attrs, heads):
+    """A module without ``num_value_heads_local_tp_cp`` (megatron's own class) expects the value
+    heads split over TP and then CP: exactly that head count passes, any other is refused."""
+    module = _gdn_stand_in({"eps": EPS}, **module_attrs)
+    for h in (1, 2, 4, 8):
+        x, gate, _ = make_inputs((1, 2, h, 64), torch.bfloat16)
+        if h == heads:
+            validation.validate_gated_norm(module, x, gate)
+        else:
+            with pytest.raises(ValueError, match=rf"core_attn_out of shape \[batch, seq, {heads}, 64\]"):
+                validation.validate_gated_norm(module, x, gate)
+
+
+@pytest.mark.parametrize("fn, name", [(F.silu, "silu"), (torch.sigmoid, "sigmoid"),
+                                      (F.sigmoid, "sigmoid"), (F.gelu, None), (torch.nn.SiLU, None)],
+                         ids=["F.silu", "torch.sigmoid", "F.sigmoid", "F.gelu", "nn.SiLU"])
+def test_gate_activation_name_knows_every_spelling_of_the_kernels_functions(fn, name):
+    """megatron's activation_func may be either sigmoid function (they are distinct objects);
+    a module class is not an activation function there."""
+    assert validation.gate_activation_name(fn) == name
+
+
+def test_input_rules_run_again_for_any_other_metadata(monkeypatch):
+    """fused_gated_norm's input rules pass inputs whose metadata equals that of inputs that
+    passed without evaluating the rules again; anything else (strides, a dtype, a device, the
+    current device, eps or only eps's type) goes through them."""
+    monkeypatch.setattr(validation, "_checked_inputs", {})
+    evaluated = []
+    rules = validation.check_gated_norm_tensors
+    monkeypatch.setattr(validation, "check_gated_norm_tensors",
+                        lambda *args: (evaluated.append(args[1:]), rules(*args)))
+    current = [None]
+    monkeypatch.setattr(validation, "current_device", lambda: current[0])
+    x, gate, weight = make_inputs((2, 3, 2, 64), torch.bfloat16)
+    check = validation.check_gated_norm_inputs
+    check(x, gate, weight, EPS)
+    check(x.clone(), gate.clone(), weight.clone(), EPS)  # other tensors, the same metadata
+    assert len(evaluated) == 1
+    others = [(sbhd_view(x), gate, weight, EPS),
+              (x, packed_projection_gate(x.shape, x.dtype), weight, EPS),
+              (x, gate, weight.float(), EPS),
+              (x, gate, torch.nn.Parameter(weight), EPS),
+              (x, gate, weight, 1),
+              (x, gate, weight, 1.0)]
+    for args in others:
+        check(*args)
+    assert len(evaluated) == 1 + len(others)
+    current[0] = 1  # as on a GPU after torch.cuda.set_device
+    check(x, gate, weight, EPS)
+    assert len(evaluated) == 2 + len(others)
+    with pytest.raises(TypeError, match="eps must be a Python float or int, got bool"):
+        check(x, gate, weight, True)  # True == 1, which passed
+    with pytest.raises(ValueError, match="must be on one device"):
+        check(x, gate.to("meta"), weight, EPS)
+
+
+def test_input_rule_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(validation, "_checked_inputs", {})
+    monkeypatch.setattr(validation, "MAX_CHECKED_INPUTS", 3)
+    x, gate, weight = make_inputs((1, 6, 2, 32), torch.float32)
+    for tokens in range(1, 7):
+        validation.check_gated_norm_inputs(x[:, :tokens], gate[:, :tokens], weight, EPS)
+        assert len(validation._checked_inputs) <= 3

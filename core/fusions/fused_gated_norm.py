@@ -25,17 +25,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
+from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
+                                            next_power_of_2)
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
     FUSED_GATED_NORM, INTERPRETED, NOT_TENSOR_ERRORS, check_activation, check_bool,
     check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
     check_positive_number, check_rstd, current_device, keep, kept, validate_gated_norm)
-from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
-                                            next_power_of_2)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 OUT_LAYOUTS = ("bshd", "sbhd")
-
-
 
 
 # Kernel arguments that change with the token count (packed sequences of varying total length).
@@ -450,10 +448,6 @@ class BackwardPlan(NamedTuple):
     dw_sum: PreparedLaunch
 
 
-
-
-
-
 def _geometry(x, launch_rule, bt):
     """(rows, sequence, heads, dim, launch parameters, rows per block) of a [B, S, H, D] ``x``;
     ``bt`` overrides the rule's block when given."""
@@ -463,9 +457,9 @@ def _geometry(x, launch_rule, bt):
 
 
 # A plan is kept under everything its signature's checks read, as a checked signature
-# (gated_norm_validation): each tensor's shape, strides, dtype and device, the current device, the
-# options, eps and the dW scale with their types. The flags and launch overrides are checked on
-# every call.
+# (gated_norm_validation): each tensor's shape, strides, dtype and device, the current device,
+# the options, eps and the dW scale with their types. The flags and launch overrides are
+# checked on every call.
 
 
 def _check_forward(x, gate, weight, out, eps, activation) -> None:

@@ -1,7 +1,8 @@
 """Without a GPU, every Triton kernel runs through the interpreter: set it before triton loads.
 Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped. Tests marked
-``cpu_shims`` build megatron's layers on the CPU shims of core.testing in the test process; where a
-GPU is visible they are skipped (``CUDA_VISIBLE_DEVICES=`` runs them there)."""
+``cpu_shims`` build megatron's layers on the CPU shims of core.testing in the test process, and
+tests marked ``interpreter`` run kernels on CPU tensors there; where a GPU is visible both are
+skipped (``CUDA_VISIBLE_DEVICES=`` runs them there)."""
 
 import os
 
@@ -14,18 +15,19 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    cpu_only = ("needs a process that sees no GPU: `CUDA_VISIBLE_DEVICES= python -m pytest tests` "
+                "(tests/README.md)")
     if HAS_CUDA:
-        marker = "cpu_shims"
-        skip = pytest.mark.skip(reason="runs megatron's layers on the CPU shims (Triton interpreter, "
-                                       "gloo), which need a process that sees no GPU: "
-                                       "`CUDA_VISIBLE_DEVICES= python -m pytest tests` (tests/README.md)")
+        skips = {"cpu_shims": "runs megatron's layers on the CPU shims (Triton interpreter, gloo), "
+                              "which " + cpu_only,
+                 "interpreter": "runs kernels on CPU tensors (Triton interpreter), which " + cpu_only}
     else:
-        marker = "gpu"
-        skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu "
-                                       "tests` on a machine with one (tests/README.md)")
+        skips = {"gpu": "needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` on a "
+                        "machine with one (tests/README.md)"}
     for item in items:
-        if item.get_closest_marker(marker) is not None:
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,7 @@ def test_bytes_moved_and_rates():
 
 
 @pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.interpreter
 def test_same_bytes_copy_moves_each_phase_s_bytes(backward):
     """The yardstick kernel reads two tensors and writes one (forward), or reads three and
     writes two (backward), over elements past one block."""
@@ -143,6 +144,7 @@ def test_same_signature_units_take_the_same_formula_with_the_reference_function(
     assert same_signature_units(times)["per_round"] == [pytest.approx(6.0)]
 
 
+@pytest.mark.interpreter
 def test_own_work_calls_run_and_the_same_signature_reference_mirrors_ours():
     """Every timed call runs on the CPU (interpreter), and the reference Function takes our
     Function's arguments and gives gradients of the same shapes."""
@@ -178,6 +180,7 @@ def test_sweep_best_lines_rank_by_time():
     assert fwd_line.index("bt16") < fwd_line.index("bt8")
 
 
+@pytest.mark.interpreter
 def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
     """forward_parts runs each part once per alternation, every part before the next
     alternation, and reports the median of each; the launch into the output allocated once
@@ -203,6 +206,7 @@ def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
     assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
+@pytest.mark.interpreter
 def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     """backward_parts runs each part (the interpreter runs the kernels) once per alternation,
     every part before the next alternation, and reports the median of each; the row kernel's
@@ -239,6 +243,7 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     assert all(torch.equal(s, dweight) for s in summed)
 
 
+@pytest.mark.interpreter
 def test_parity_sources_on_the_cpu():
     """Under the interpreter the summation orders agree: no difference anywhere."""
     result = parity_sources((1, 8, 2, 64), device="cpu")

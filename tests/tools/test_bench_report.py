@@ -99,6 +99,7 @@ def test_report_of_the_recorded_run_needs_no_gpu(tmp_path, capsys):
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
 
 
+@pytest.mark.interpreter
 def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
     """benchmark.run end to end on tiny shapes, with the GPU-only timers replaced by one call
     each (their arithmetic is tested above): the JSON it writes is what the report reads."""

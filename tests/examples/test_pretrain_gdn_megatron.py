@@ -15,6 +15,8 @@ import sys
 import numpy
 import pytest
 
+from core.fusions.fused_gated_norm import interpreter_loop_problem
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "examples", "run_megatron_pairs.py")
 STEPS, SAVE_AT = 3, 2
@@ -103,11 +105,13 @@ def test_gdn_kernels_choice_without_fla_backward(monkeypatch):
     assert driver.parse_args([]).gdn_kernels == "fla"
 
 
+@pytest.mark.skipif(bool(interpreter_loop_problem()), reason=str(interpreter_loop_problem()))
 def test_pairs_through_megatrons_training_loop(tmp_path):
     out = tmp_path / "pairs"
     cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1",
            "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--ckpt-format", "torch_dist"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=600)  # the CPU runs, anywhere
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loaded iteration 2" in proc.stdout
     with open(out / "summary.json") as f:

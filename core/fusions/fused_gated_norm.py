@@ -28,9 +28,10 @@ from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
 from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
                                             next_power_of_2)
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
-    FUSED_GATED_NORM, INTERPRETED, NOT_TENSOR_ERRORS, check_activation, check_bool,
+    FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool,
     check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
-    check_positive_number, check_rstd, current_device, keep, kept, validate_gated_norm)
+    check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
+    validate_gated_norm)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 OUT_LAYOUTS = ("bshd", "sbhd")
@@ -457,9 +458,9 @@ def _geometry(x, launch_rule, bt):
 
 
 # A plan is kept under everything its signature's checks read, as a checked signature
-# (gated_norm_validation): each tensor's shape, strides, dtype and device, the current device,
-# the options, eps and the dW scale with their types. The flags and launch overrides are
-# checked on every call.
+# (gated_norm_validation): each tensor's type, shape, strides, dtype, device and negative bit,
+# the current device, the options, eps and the dW scale with their types. The flags and launch
+# overrides are checked on every call.
 
 
 def _check_forward(x, gate, weight, out, eps, activation) -> None:
@@ -481,13 +482,15 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     try:
         device = current_device()
         key = ("fwd", device,
-               x.shape, x.stride(), x.dtype, x.device, gate.shape, gate.stride(), gate.dtype,
-               gate.device, out.shape, out.stride(), out.dtype, out.device,
-               weight.shape, weight.stride(), weight.dtype, weight.device,
+               type(x), x.shape, x.stride(), x.dtype, x.device,
+               type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
+               type(out), out.shape, out.stride(), out.dtype, out.device,
+               type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
+               x.is_neg() or gate.is_neg() or out.is_neg() or weight.is_neg(),
                type(eps), eps, zero_centered, activation, bt, warps, pdl, store_rstd)
-    except NOT_TENSOR_ERRORS:
+    except KEY_ERRORS:
         device = key = None
-    plan = kept(_launch_plans, key)
+    plan = lookup_checked(_launch_plans, key)
     if plan is not None:
         return device, plan
     _check_forward(x, gate, weight, out, eps, activation)  # a new signature
@@ -499,7 +502,7 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
                                      store_rstd, bt, cfg.block_d, pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32 if store_rstd else None)
-    return device, keep(_launch_plans, key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
+    return device, keep_checked(_launch_plans, key, ForwardPlan(cdiv(rows, bt), launch_forward.prepare(
         dtypes, scalars, warps or cfg.warps, pdl)), MAX_PLANS)
 
 
@@ -509,15 +512,17 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
     try:
         device = current_device()
         key = ("bwd", device,
-               x.shape, x.stride(), x.dtype, x.device, gate.shape, gate.stride(), gate.dtype,
-               gate.device, dy.shape, dy.stride(), dy.dtype, dy.device,
-               weight.shape, weight.stride(), weight.dtype, weight.device,
-               rstd.shape, rstd.stride(), rstd.dtype, rstd.device,
+               type(x), x.shape, x.stride(), x.dtype, x.device,
+               type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
+               type(dy), dy.shape, dy.stride(), dy.dtype, dy.device,
+               type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
+               type(rstd), rstd.shape, rstd.stride(), rstd.dtype, rstd.device,
+               x.is_neg() or gate.is_neg() or dy.is_neg() or weight.is_neg() or rstd.is_neg(),
                zero_centered, activation, type(weight_grad_scale), weight_grad_scale,
                bt, warps, programs, stages, dw_sum_pdl)
-    except NOT_TENSOR_ERRORS:
+    except KEY_ERRORS:
         device = key = None
-    plan = kept(_launch_plans, key)
+    plan = lookup_checked(_launch_plans, key)
     if plan is not None:
         return device, plan
     _check_backward(x, gate, weight, rstd, dy, activation, weight_grad_scale)  # a new signature
@@ -537,7 +542,7 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
                stages or cfg.stages, cfg.dw_sum_pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, torch.float32, dy.dtype, x_dtype, gate.dtype,
               torch.float32)
-    return device, keep(_launch_plans, key, BackwardPlan(
+    return device, keep_checked(_launch_plans, key, BackwardPlan(
         programs, launch_backward.prepare(dtypes, scalars, warps or cfg.warps),
         *_dw_sum_launch(programs, dim, w_dtype, cfg, weight_grad_scale)), MAX_PLANS)
 
@@ -625,8 +630,11 @@ def backward_impl(
         return (torch.empty_like(x, memory_format=torch.contiguous_format),
                 torch.empty_like(gate, memory_format=torch.contiguous_format),
                 torch.zeros_like(weight))
-    if isinstance(dy, torch.Tensor) and dy.stride(-1) != 1:  # autograd may hand us anything
-        dy = dy.contiguous()
+    try:
+        if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel reads unit strides
+            dy = dy.contiguous()
+    except (*KEY_ERRORS, IndexError):  # not a dense tensor of rank >= 1: the rules name it
+        pass
     device, plan = _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, warps,
                                   programs, stages, weight_grad_scale, dw_sum_pdl)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -34,26 +34,31 @@ def current_device() -> Optional[int]:
     return None if INTERPRETED else torch.cuda.current_device()
 
 
-# Checked signatures. A key holds everything a set of rules reads (each tensor's shape, strides,
-# dtype and device, the current device, the options with their types where True == 1 would
-# confuse a dict), so a key kept after the rules passed means they pass for exactly these
-# values. Building one fails only for an argument that is not a tensor; the rules then name it.
-NOT_TENSOR_ERRORS = (AttributeError, TypeError, RuntimeError)
+# Checked signatures. A key holds everything a set of rules reads (each tensor's type, shape,
+# strides, dtype, device and negative bit, the current device, the options with their types
+# where True == 1 would confuse a dict), so a key kept after the rules passed means they pass
+# for exactly these values. Building one fails for an argument that is not a dense tensor, and
+# where no CUDA device can be asked which one is current (no driver, a torch without CUDA): the
+# rules then run and name what is wrong.
+KEY_ERRORS = (AttributeError, TypeError, RuntimeError, AssertionError)
 
 
-def keep(table: dict, key: Optional[tuple], value, bound: int):
-    """Keeps ``value`` under a checked signature ``key`` (None: nothing to keep under); a full
-    table starts over."""
+def keep_checked(table: dict, key: Optional[tuple], value, bound: int):
+    """Keeps ``value`` under a checked signature ``key``; a full table starts over. Nothing is
+    kept for no key, or for one no dict takes (symbolic sizes while tracing)."""
     if key is not None:
         if len(table) >= bound:
             table.clear()
-        table[key] = value
+        try:
+            table[key] = value
+        except TypeError:
+            pass
     return value
 
 
-def kept(table: dict, key: Optional[tuple]):
-    """The value kept for ``key``, or None: also for a key that holds an option no dict takes (a
-    list given as eps or the activation), which the rules of a new signature then name."""
+def lookup_checked(table: dict, key: Optional[tuple]):
+    """The value kept for ``key``, or None: also for a key that holds a value no dict takes (a
+    list given as eps, symbolic sizes), which then goes through the rules."""
     try:
         return table.get(key)
     except TypeError:
@@ -72,10 +77,10 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
     argument and the rule; nothing is launched.
 
     Runs on every call. The rules read only host metadata, so inputs whose metadata equals that
-    of inputs that passed (each tensor's type, shape, strides, dtype and device, the current
-    device, eps and its type) pass again after one lookup instead of every rule (docs/design.md,
-    Host cost). Anything else, and every call that torch.compile traces, goes through the
-    rules."""
+    of inputs that passed (each tensor's type, shape, strides, dtype, device and negative bit,
+    the current device, eps and its type) pass again after one lookup instead of every rule
+    (docs/design.md, Host cost). Anything else, and every call that torch.compile traces, goes
+    through the rules."""
     key = None
     if not torch.compiler.is_compiling():
         try:
@@ -83,14 +88,14 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
                    type(x), x.shape, x.stride(), x.dtype, x.device,
                    type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
                    type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-                   type(eps), eps)
-        except NOT_TENSOR_ERRORS:
+                   x.is_neg() or gate.is_neg() or weight.is_neg(), type(eps), eps)
+        except KEY_ERRORS:
             key = None
-        if kept(_checked_inputs, key):
+        if lookup_checked(_checked_inputs, key):
             return
     check_gated_norm_tensors(FUSED_GATED_NORM, x, gate, weight)
     check_positive_number(FUSED_GATED_NORM, "eps", eps)
-    keep(_checked_inputs, key, True, MAX_CHECKED_INPUTS)
+    keep_checked(_checked_inputs, key, True, MAX_CHECKED_INPUTS)
 
 
 def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = ()) -> None:
@@ -173,6 +178,8 @@ def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.T
     weight_dtype = weight.dtype
     if weight_dtype != dtype and weight_dtype != torch.float32:
         raise TypeError(f"{entry}: weight dtype must be fp32 or x's dtype {dtype}, got {weight_dtype}")
+    for name, t in (("x", x), *operands, ("weight", weight)):
+        check_not_negative_view(entry, name, t)
     device = x.device
     devices = [device] + [t.device for _, t in operands] + [weight.device]
     if devices.count(device) != len(devices):
@@ -190,6 +197,16 @@ def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.T
                          f"head), got {tuple(weight.shape)}")
     if dim and weight.stride()[0] != 1:
         raise ValueError(f"{entry}: weight must be contiguous, got stride {weight.stride()}")
+
+
+def check_not_negative_view(entry: str, name: str, t: torch.Tensor) -> None:
+    """``t`` is not a negative view (ValueError): its memory holds the values negated (a real
+    view of a complex conjugate, ``z.conj().imag``), and the kernels read memory. Not while
+    torch.compile traces (Dynamo does not trace ``is_neg``): the custom ops' impls check the
+    tensors they are given."""
+    if not torch.compiler.is_compiling() and t.is_neg():
+        raise ValueError(f"{entry}: {name} is a negative view (its memory holds the values "
+                         f"negated); pass {name}.resolve_neg()")
 
 
 def check_current_device(entry: str, device: torch.device, current: int) -> None:
@@ -223,6 +240,7 @@ def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
     check_tensors(entry, (("rstd", rstd),))
     if rstd.dtype != torch.float32:
         raise TypeError(f"{entry}: rstd dtype must be fp32, got {rstd.dtype}")
+    check_not_negative_view(entry, "rstd", rstd)
     if rstd.shape != x.shape[:3] or rstd.device != x.device or not rstd.is_contiguous():
         raise ValueError(
             f"{entry}: rstd must be a contiguous tensor of shape {tuple(x.shape[:3])} on "

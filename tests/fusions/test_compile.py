@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import core.fusions.fused_gated_norm as fgn
+import core.fusions.gated_norm_validation as validation
 from core.fusions.fused_gated_norm import fused_gated_norm
 from tests.gated_norm_inputs import EPS, make_inputs, packed_projection_gate
 
@@ -57,6 +58,20 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
         assert torch.equal(a, b), f"{name} differs between eager and torch.compile({backend})"
     if out_layout == "sbhd":
         assert traced[0].transpose(0, 1).is_contiguous()
+
+
+def test_compile_traces_the_input_rules(monkeypatch):
+    """Under torch.compile the input rules are traced as they are: the table of checked
+    metadata, whose keys would hold traced sizes, is neither read nor filled."""
+    monkeypatch.setattr(validation, "_checked_inputs", {})
+    torch._dynamo.reset()
+    x, gate, weight = strided_gate_inputs(2, 5)
+    compiled = torch.compile(lambda x, g, w: fused_gated_norm(x, g, w, EPS), fullgraph=True,
+                             backend="aot_eager")
+    compiled(x, gate, weight)
+    assert validation._checked_inputs == {}
+    fused_gated_norm(x, gate, weight, EPS)  # eagerly, the same inputs are kept
+    assert len(validation._checked_inputs) == 1
 
 
 def test_compiled_output_takes_in_place_ops():

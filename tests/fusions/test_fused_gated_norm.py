@@ -454,6 +454,11 @@ def _bad_inputs():
         "eps_tensor": ((x, gate, weight, torch.tensor(1e-6)), TypeError, "eps must be a Python float or int"),
         "eps_str": ((x, gate, weight, "1e-6"), TypeError, "eps must be a Python float or int"),
         "not_tensor": ((x.tolist(), gate, weight, EPS), TypeError, "x must be a torch.Tensor"),
+        # A real view of a complex conjugate (z.conj().imag) holds its values negated in memory.
+        "gate_negative_view": ((x, torch._neg_view(gate), weight, EPS), ValueError,
+                               r"gate is a negative view .*gate.resolve_neg\(\)"),
+        "weight_negative_view": ((x, gate, torch._neg_view(weight), EPS), ValueError,
+                                 "weight is a negative view"),
         "sparse_gate": ((x, gate.to_sparse(), weight, EPS), TypeError,
                         "gate must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
         # zero_centered selects a compiled variant: only a bool, never a truth value.
@@ -504,10 +509,18 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         fused_gated_norm(x, gate, weight, EPS)
 
 
-def test_impls_take_cpu_tensors_only_under_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("no_device", [RuntimeError("no driver"),
+                                       AssertionError("Torch not compiled with CUDA enabled")],
+                         ids=["no_driver", "torch_without_cuda"])
+def test_impls_take_cpu_tensors_only_under_the_interpreter(no_device, monkeypatch):
     """forward_impl and backward_impl name the device rule too, also where no CUDA device can
-    be asked which one is current (this machine, on the CPU)."""
+    be asked which one is current (no driver, a torch built without CUDA)."""
+
+    def current_device():
+        raise no_device
+
     monkeypatch.setattr(validation, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
     monkeypatch.setattr(kernel_module, "_launch_plans", {})
     x, gate, weight = (t.cpu() for t in make_inputs((1, 2, 2, 64), torch.bfloat16))
     rstd = torch.ones(x.shape[:3])
@@ -596,6 +609,14 @@ def _impl_calls():
                         r"backward_impl: rstd must be a contiguous tensor of shape \(1, 2, 2\) on"),
         "empty_dy_none": (lambda: bwd(x[:, :0], gate[:, :0], weight, rstd[:, :0], None),
                           TypeError, "backward_impl: dy must be a torch.Tensor"),
+        "gate_negative_view": (lambda: fwd(x, torch._neg_view(gate), weight, EPS), ValueError,
+                               "forward_impl: gate is a negative view"),
+        "rstd_negative_view": (lambda: bwd(x, gate, weight, torch._neg_view(rstd), x), ValueError,
+                               "backward_impl: rstd is a negative view"),
+        "dy_negative_view": (lambda: bwd(x, gate, weight, rstd, torch._neg_view(x)), ValueError,
+                             "backward_impl: dy is a negative view"),
+        "dy_0dim": (lambda: bwd(x, gate, weight, rstd, x.new_ones(())), ValueError,
+                    "backward_impl: dy must have x's shape"),
         "empty_rstd_dtype": (lambda: bwd(x[:, :0], gate[:, :0], weight, rstd[:, :0].double(), x[:, :0]),
                              TypeError, "backward_impl: rstd dtype must be fp32"),
         "empty_eps": (lambda: fwd(x[:, :0], gate[:, :0], weight, 0.0), ValueError,
@@ -827,6 +848,23 @@ def test_a_launch_plan_is_never_reused_for_other_strides(monkeypatch):
         want = (out, rstd, *kernel_module.backward_impl(plain[0], plain[1], weight, rstd, plain[2]))
         for a, b in zip(got, want):
             assert torch.equal(a, b)
+
+
+def test_a_launch_plan_is_kept_per_current_device(monkeypatch):
+    """The same tensors with another current device (torch.cuda.set_device on a GPU) go through
+    the rules again: the kernels launch on the current device."""
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    checked = []
+    rules = kernel_module._check_forward
+    monkeypatch.setattr(kernel_module, "_check_forward",
+                        lambda *args: (checked.append(1), rules(*args)))
+    current = [None]
+    monkeypatch.setattr(kernel_module, "current_device", lambda: current[0])
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    for device in (None, None, 1, 1, None):
+        current[0] = device
+        kernel_module.forward_impl(x, gate, weight, EPS)
+    assert len(checked) == 2
 
 
 def test_launch_plan_table_is_bounded(monkeypatch):

@@ -168,6 +168,8 @@ BAD = {
     "out dtype": (lambda a: a | {"out": a["out"].float()}, TypeError, "out dtype must equal"),
     "weight dtype": (lambda a: a | {"weight": a["weight"].half()}, TypeError, "weight dtype"),
     "device": (lambda a: a | {"weight": a["weight"].to("meta")}, ValueError, "one device"),
+    "z negative view": (lambda a: a | {"z": torch._neg_view(a["z"])}, ValueError,
+                        r"z is a negative view .*z.resolve_neg\(\)"),
     # The device rule comes before the overlap rules (meta tensors all have address 0).
     "all meta": (lambda a: a | {k: a[k].to("meta") for k in ("x", "z", "weight", "out")},
                  ValueError, "x must be a (CPU|CUDA) tensor .*TRITON_INTERPRET=1.*got device meta"),

@@ -131,3 +131,20 @@ def test_input_rule_table_is_bounded(monkeypatch):
     for tokens in range(1, 7):
         validation.check_gated_norm_inputs(x[:, :tokens], gate[:, :tokens], weight, EPS)
         assert len(validation._checked_inputs) <= 3
+
+
+def test_metadata_no_dict_takes_goes_through_the_rules(monkeypatch):
+    """Symbolic sizes (make_fx's symbolic tracing) make a key no dict takes: the rules run and
+    pass, and nothing is kept."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(validation, "_checked_inputs", {})
+    x, gate, weight = make_inputs((2, 3, 2, 64), torch.float32)
+
+    def check(x, gate, weight):
+        validation.check_gated_norm_inputs(x, gate, weight, EPS)
+        return x
+
+    make_fx(check, tracing_mode="symbolic")(x, gate, weight)
+    assert validation._checked_inputs == {}
+

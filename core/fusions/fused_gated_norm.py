@@ -31,7 +31,7 @@ from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_n
     FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool,
     check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
     check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
-    validate_gated_norm)
+    tensor_signature, validate_gated_norm)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 OUT_LAYOUTS = ("bshd", "sbhd")
@@ -458,9 +458,9 @@ def _geometry(x, launch_rule, bt):
 
 
 # A plan is kept under everything its signature's checks read, as a checked signature
-# (gated_norm_validation): each tensor's type, shape, strides, dtype, device and negative bit,
-# the current device, the options, eps and the dW scale with their types. The flags and launch
-# overrides are checked on every call.
+# (gated_norm_validation): each tensor's ``tensor_signature``, the current device, the options,
+# eps and the dW scale with their types. The flags and launch overrides are checked on every
+# call.
 
 
 def _check_forward(x, gate, weight, out, eps, activation) -> None:
@@ -481,12 +481,8 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     """(the current device, the plan); the device is read once, for the key and the launch."""
     try:
         device = current_device()
-        key = ("fwd", device,
-               type(x), x.shape, x.stride(), x.dtype, x.device,
-               type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
-               type(out), out.shape, out.stride(), out.dtype, out.device,
-               type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-               x.is_neg() or gate.is_neg() or out.is_neg() or weight.is_neg(),
+        key = ("fwd", device, tensor_signature(x), tensor_signature(gate), tensor_signature(out),
+               tensor_signature(weight),
                type(eps), eps, zero_centered, activation, bt, warps, pdl, store_rstd)
     except KEY_ERRORS:
         device = key = None
@@ -511,13 +507,8 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
     """(the current device, the plan), as _forward_plan."""
     try:
         device = current_device()
-        key = ("bwd", device,
-               type(x), x.shape, x.stride(), x.dtype, x.device,
-               type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
-               type(dy), dy.shape, dy.stride(), dy.dtype, dy.device,
-               type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-               type(rstd), rstd.shape, rstd.stride(), rstd.dtype, rstd.device,
-               x.is_neg() or gate.is_neg() or dy.is_neg() or weight.is_neg() or rstd.is_neg(),
+        key = ("bwd", device, tensor_signature(x), tensor_signature(gate), tensor_signature(dy),
+               tensor_signature(weight), tensor_signature(rstd),
                zero_centered, activation, type(weight_grad_scale), weight_grad_scale,
                bt, warps, programs, stages, dw_sum_pdl)
     except KEY_ERRORS:

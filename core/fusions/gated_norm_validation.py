@@ -43,6 +43,12 @@ def current_device() -> Optional[int]:
 KEY_ERRORS = (AttributeError, TypeError, RuntimeError, AssertionError)
 
 
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What the rules read of one tensor, as part of a checked signature: its type, shape,
+    strides, dtype, device and negative bit."""
+    return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg()
+
+
 def keep_checked(table: dict, key: Optional[tuple], value, bound: int):
     """Keeps ``value`` under a checked signature ``key``; a full table starts over. Nothing is
     kept for no key, or for one no dict takes (symbolic sizes while tracing)."""
@@ -84,11 +90,8 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
     key = None
     if not torch.compiler.is_compiling():
         try:
-            key = (current_device(),
-                   type(x), x.shape, x.stride(), x.dtype, x.device,
-                   type(gate), gate.shape, gate.stride(), gate.dtype, gate.device,
-                   type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-                   x.is_neg() or gate.is_neg() or weight.is_neg(), type(eps), eps)
+            key = (current_device(), tensor_signature(x), tensor_signature(gate),
+                   tensor_signature(weight), type(eps), eps)
         except KEY_ERRORS:
             key = None
         if lookup_checked(_checked_inputs, key):

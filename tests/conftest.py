@@ -2,7 +2,9 @@
 Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped. Tests marked
 ``cpu_shims`` build megatron's layers on the CPU shims of core.testing in the test process, and
 tests marked ``interpreter`` run kernels on CPU tensors there; where a GPU is visible both are
-skipped (``CUDA_VISIBLE_DEVICES=`` runs them there)."""
+skipped (``CUDA_VISIBLE_DEVICES=`` runs them there). Tests marked ``interpreter_backward`` run
+the backward kernel in the interpreter (here or in CPU subprocesses): skipped, with the reason,
+where the installed Triton's interpreter cannot run its row loop."""
 
 import os
 
@@ -24,6 +26,11 @@ def pytest_collection_modifyitems(config, items):
     else:
         skips = {"gpu": "needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` on a "
                         "machine with one (tests/README.md)"}
+    if any(item.get_closest_marker("interpreter_backward") for item in items):
+        from core.fusions.fused_gated_norm import interpreter_loop_problem
+
+        if interpreter_loop_problem():
+            skips["interpreter_backward"] = interpreter_loop_problem()
     for item in items:
         for marker, reason in skips.items():
             if item.get_closest_marker(marker) is not None:

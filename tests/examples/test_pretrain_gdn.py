@@ -15,14 +15,13 @@ import sys
 
 import pytest
 
-from core.fusions.fused_gated_norm import interpreter_loop_problem
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gdn.py")
 # The example's CPU runs, on any machine: a GPU is hidden from them.
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-cpu_run = pytest.mark.skipif(bool(interpreter_loop_problem()), reason=str(interpreter_loop_problem()))
+cpu_run = pytest.mark.interpreter_backward
 TINY = ["--hidden-size", "32", "--num-layers", "2", "--linear-attention-freq", "2",
         "--ffn-hidden-size", "64", "--num-attention-heads", "2", "--num-query-groups", "2",
         "--kv-channels", "16", "--linear-num-key-heads", "2", "--linear-num-value-heads", "2",

@@ -15,7 +15,6 @@ import sys
 import numpy
 import pytest
 
-from core.fusions.fused_gated_norm import interpreter_loop_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "examples", "run_megatron_pairs.py")
@@ -105,7 +104,7 @@ def test_gdn_kernels_choice_without_fla_backward(monkeypatch):
     assert driver.parse_args([]).gdn_kernels == "fla"
 
 
-@pytest.mark.skipif(bool(interpreter_loop_problem()), reason=str(interpreter_loop_problem()))
+@pytest.mark.interpreter_backward
 def test_pairs_through_megatrons_training_loop(tmp_path):
     out = tmp_path / "pairs"
     cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1",

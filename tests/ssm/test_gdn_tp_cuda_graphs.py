@@ -82,13 +82,10 @@ def test_tp2_under_local_cuda_graphs_matches_tp1(gpu_ranks):
 
 @pytest.mark.skipif(torch.cuda.device_count() >= TP,
                     reason="the GPU tests above run these cases over NCCL")
+@pytest.mark.interpreter_backward  # the ranks interpret the kernels
 def test_eager_cases_cpu_dry_run(tmp_path):
     """The harness's eager cases (TP 2 + SP, TP 2) on gloo: the GPU test's code path runs. The
     ranks see no GPU (on a machine with one GPU, too few for the GPU tests, as on one without)."""
-    from core.fusions.fused_gated_norm import interpreter_loop_problem
-
-    if interpreter_loop_problem():  # the ranks interpret the kernels
-        pytest.skip(interpreter_loop_problem())
     ranks = _run(tmp_path, cuda_graphs=False,
                  env={"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"})
     for case in ("tp2-sp", "tp2"):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from core.fusions.fused_gated_norm import interpreter_loop_problem
 import tools.gdn_layer as gdn_layer
 from tools.gdn_layer import QWEN3_NEXT, LayerSetup, kernel_group, paired_speedup
 
@@ -32,7 +31,7 @@ def test_kernel_group(name, group):
     assert kernel_group(name) == group
 
 
-@pytest.mark.skipif(bool(interpreter_loop_problem()), reason=str(interpreter_loop_problem()))
+@pytest.mark.interpreter_backward
 def test_cpu_dry_run_writes_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "tools/gdn_layer.py", "--cpu", "--out", str(tmp_path),

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from core.fusions.fused_gated_norm import interpreter_loop_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(bool(interpreter_loop_problem()), reason=str(interpreter_loop_problem()))
+@pytest.mark.interpreter_backward
 def test_host_profile_reports_own_work_from_its_timings():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "tools/host_profile.py", "--rounds", "2", "--calls", "5"],

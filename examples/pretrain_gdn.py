@@ -399,24 +399,26 @@ def paired_check(model, optimizer, micro) -> dict:
     else, e.g. nondeterministic kernels), unfused eager (megatron's norm code as written, with
     the intermediate rounding that torch.compile drops), fused. Returns each pass's loss
     difference to the reference and ||g - g_ref|| / ||g_ref|| over all parameters (all ranks)
-    and over the out_norm weights alone; the fused pass's under the original keys."""
+    and over the out_norm weights alone; the fused pass's under the original keys; and how many
+    fused norm calls each pass made (this rank; only the fused pass makes any)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from core.testing.gdn import eager_megatron_gdn
+    from core.testing.gdn import counting_fused_norm_calls, eager_megatron_gdn
 
     modules = gdn_modules(model)
     saved = [m.fused_gated_norm for m in modules]
     passes = {"off": (False, contextlib.nullcontext), "repeat": (False, contextlib.nullcontext),
               "eager": (False, eager_megatron_gdn), "on": (True, contextlib.nullcontext)}
-    losses, grads = {}, {}
+    losses, grads, fused_calls = {}, {}, {}
     try:
         for name, (fused, context) in passes.items():
             for m in modules:
                 m.fused_gated_norm = fused
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            with context():
+            with context(), counting_fused_norm_calls() as calls:
                 losses[name] = float(forward_backward(model, optimizer, micro))
+            fused_calls[name] = len(calls)
             finalize_model_grads([model])
             grads[name] = {n: p.main_grad.detach().float().clone()
                            for n, p in model.named_parameters() if p.requires_grad}
@@ -439,7 +441,7 @@ def paired_check(model, optimizer, micro) -> dict:
     # Replicated parameters are counted once per rank: fine for a ratio.
     torch.distributed.all_reduce(sums)
     rel = (sums[:, [0, 2]] / sums[:, [1, 3]].clamp_min(1e-300)).sqrt().tolist()
-    result = {"loss_off": losses["off"]}
+    result = {"loss_off": losses["off"], "fused_norm_calls": fused_calls}
     for (name, ref_name, prefix), (all_rel, norm_rel) in zip(pairs, rel):
         result.update({f"{prefix}dloss": losses[name] - losses[ref_name],
                        f"{prefix}grad_rel": all_rel, f"{prefix}out_norm_grad_rel": norm_rel})
@@ -462,6 +464,8 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from core.testing.gdn import counting_fused_norm_calls
 
     rank = torch.distributed.get_rank()
     tp = args.tp
@@ -493,6 +497,7 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     tokens_per_step = args.seq_length * args.micro_batch_size * args.num_micro_batches * dp_size
 
     losses, step_times, grad_norms, lrs, tp_diffs, paired = [], [], [], [], [], []
+    fused_norm_calls = 0  # this rank's, in the training steps
     bar = _progress_bar(args, label) if rank == 0 and not args.no_progress else None
     model.train()
     for step in range(1, args.steps + 1):
@@ -502,7 +507,9 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        step_loss = forward_backward(model, optimizer, micro)
+        with counting_fused_norm_calls() as calls:
+            step_loss = forward_backward(model, optimizer, micro)
+        fused_norm_calls += len(calls)
         finalize_model_grads([model])  # DP all-reduce, TP reduction of replicated norm grads
         with _cpu_optimizer_context():
             update_ok, grad_norm, _ = optimizer.step()
@@ -535,6 +542,8 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     result = {
         "label": label,
         "fused_gated_norm": fused,
+        "gdn_layers": len(gdn_modules(model)),
+        "fused_norm_calls": fused_norm_calls,
         "out_norm_nudged": nudge,
         "steps": args.steps,
         "losses": losses,

@@ -90,6 +90,13 @@ def _table(header: list[str], rows: list[tuple[str, list[str]]]) -> list[str]:
     return lines
 
 
+def fused_calls_text(run: dict) -> str:
+    """The fused output norm's calls per training step on rank 0, and its GDN layer count."""
+    if "fused_norm_calls" not in run:
+        return "n/a"
+    return f"{run['fused_norm_calls'] / run['steps']:g} ({run['gdn_layers']} GDN layers)"
+
+
 def summary_table(runs: list[dict], setup: str) -> str:
     """One column per run; then, for every run after the first, its agreement with the first."""
     late = f"mean loss, last {max(1, int(runs[0]['steps'] * LATE_FRACTION))} steps"
@@ -102,6 +109,7 @@ def summary_table(runs: list[dict], setup: str) -> str:
         ("tokens/s (median step)", [f"{tokens_per_second(r):,.0f}" for r in runs]),
         ("wall time (s)", [f"{sum(r['step_times']):.1f}" for r in runs]),
         ("out_norm w equal on TP ranks", [tp_check_text(r) for r in runs]),
+        ("fused norm calls per step", [fused_calls_text(r) for r in runs]),
     ]
     lines = [setup, ""] + _table([r["label"] for r in runs], rows)
     if len(runs) > 1:

@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="module")
+def model_parallel_tp1():
+    """megatron's parallel_state at TP 1 over a one-process gloo group (core.testing.cpu), for the
+    modules that build megatron's layers in the test process."""
+    from core.testing.cpu import init_cpu_model_parallel
+
+    init_cpu_model_parallel(tp_size=1)
+
+
 @pytest.fixture(autouse=True)
 def _same_random_draws_every_run():
     """Each test starts from the same torch RNG state: a draw it makes without its own generator

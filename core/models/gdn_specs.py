@@ -64,7 +64,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from core.ssm.gated_delta_net import GatedDeltaNet
 from core.transformer.rms_norm import LocalNorm
-from core.transformer.transformer_config import gdn_out_norm_zero_centered
+from core.transformer.transformer_config import check_gdn_field_types, gdn_out_norm_zero_centered
 
 try:
     import transformer_engine  # noqa: F401  # pylint: disable=unused-import
@@ -211,9 +211,10 @@ def use_fused_gdn(spec: Any) -> Any:
 
 
 def _only_ours_honours(config) -> list:
-    """The settings of ``config`` that megatron's GatedDeltaNet silently ignores."""
+    """The settings of ``config`` that megatron's GatedDeltaNet silently ignores (TypeError for
+    a field of the wrong type, named as validate_gdn_config names it)."""
     asked = []
-    if getattr(config, "fused_gated_norm", False):
+    if check_gdn_field_types(config):
         asked.append("fused_gated_norm=True")
     if gdn_out_norm_zero_centered(config) != bool(config.layernorm_zero_centered_gamma):
         asked.append(

@@ -129,9 +129,13 @@ def run_forward_hooks(module: torch.nn.Module, args: tuple, output: torch.Tensor
     then the module's own) on ``output``; return the output they leave (a hook may return a
     replacement, e.g. Megatron-FSDP's view that carries its pre-backward unshard hook)."""
     hooks = {**_module_hooks._global_forward_hooks, **module._forward_hooks}
-    with_kwargs = module._forward_hooks_with_kwargs
+    with_kwargs = (module._forward_hooks_with_kwargs,
+                   _module_hooks._global_forward_hooks_with_kwargs)
     for hook_id, hook in hooks.items():
-        result = hook(module, args, {}, output) if hook_id in with_kwargs else hook(module, args, output)
+        if hook_id in with_kwargs[0] or hook_id in with_kwargs[1]:
+            result = hook(module, args, {}, output)
+        else:
+            result = hook(module, args, output)
         if result is not None:
             output = result
     return output

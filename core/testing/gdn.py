@@ -70,6 +70,27 @@ def unwrap_jit_gdn_methods() -> dict:
 
 
 @contextlib.contextmanager
+def counting_fused_norm_calls():
+    """While open, every call of GatedDeltaNet's fused output norm (the kernel path of
+    ``_apply_gated_norm``; the unfused paths never reach it) appends to the yielded list: proof
+    that a run or pass with the flag on used the fusion."""
+    import core.ssm.gated_delta_net as gdn
+
+    calls = []
+    original = gdn.apply_validated_gated_norm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    gdn.apply_validated_gated_norm = counting
+    try:
+        yield calls
+    finally:
+        gdn.apply_validated_gated_norm = original
+
+
+@contextlib.contextmanager
 def eager_megatron_gdn():
     """``unwrap_jit_gdn_methods`` for the duration of a ``with`` block."""
     from megatron.core.ssm.gated_delta_net.common import _GDNBase
@@ -184,6 +205,25 @@ def randomize_norm_weights(module: torch.nn.Module, seed: int = 7) -> None:
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 noise = torch.randn(p.shape, generator=gen) * 0.3
                 p.copy_((p.float().cpu() + noise).to(p.dtype).to(p.device))
+
+
+def layer_inputs(seq: int, batch: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, dy)``: a GDN layer's [S, B, hidden] input and output gradient, drawn in this order
+    from a CPU generator seeded with ``seed`` (the same values on any device), in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seq, batch, hidden, generator=gen).to(device, dtype)
+    dy = torch.randn(seq, batch, hidden, generator=gen).to(device, dtype)
+    return x, dy
+
+
+def set_out_norm_grad_scale(module: torch.nn.Module, scale: float) -> None:
+    """As on a TP rank: scale 1 (TP 1, or megatron reduces the out_norm dW) or the TP size (a
+    partial dW that megatron leaves unreduced), with the parameter tag that goes with it."""
+    from core.ssm.gated_delta_net import TP_AVG_TAG
+
+    module.out_norm_weight_grad_scale = scale
+    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
 
 
 def shard_gdn_state_dict(full: dict, config, tp_rank: int, tp_size: int, prefix: str = "") -> dict:

@@ -152,17 +152,14 @@ def _captured_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:
 
 def run_rank(rank: int, tp_size: int, device: torch.device, cuda_graphs: bool) -> dict:
     """Every case of the module docstring on this rank; returns {case: dict(dw=..., ...)}."""
-    from core.testing.gdn import build_gdn_layer, randomize_norm_weights
+    from core.testing.gdn import build_gdn_layer, layer_inputs, randomize_norm_weights
 
     _parallel(1)
     reference = build_gdn_layer(layer_config(1), seed=SEED).to(device)
     randomize_norm_weights(reference)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()
              if isinstance(v, torch.Tensor)}
-    gen = torch.Generator().manual_seed(3)
-    hidden = reference.config.hidden_size
-    x = torch.randn(SEQ, BATCH, hidden, generator=gen).to(device, torch.bfloat16)
-    dy = torch.randn(SEQ, BATCH, hidden, generator=gen).to(device, torch.bfloat16)
+    x, dy = layer_inputs(SEQ, BATCH, reference.config.hidden_size, seed=3, device=device)
     results = {"tp1": dict(dw=ddp_step(wrap_ddp(reference), x, dy).cpu(), grad_scale=1.0)}
 
     for name, sp in (("tp2-sp", True), ("tp2", False)):

@@ -198,7 +198,7 @@ def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dic
     """TP=1 run (parallel_state already initialised with TP=1): saves to ``path``, per
     :func:`ref_key`, the weights, inputs, output and out_norm dW (DDP main_grad after the stock
     finalize_model_grads). ``seq`` must be divisible by the TP sizes checked with SP on."""
-    from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights
+    from core.testing.gdn import build_gdn_module, gdn_config, layer_inputs, randomize_norm_weights
 
     ref = {}
     for key in sorted({ref_key(c) for c in cases}):
@@ -208,9 +208,8 @@ def make_reference(path: str, seq: int = 24, batch: int = 2, cases: Iterable[dic
         module = build_gdn_module(config, seed=99)
         randomize_norm_weights(module)
         device = module.out_norm.weight.device
-        gen = torch.Generator().manual_seed(3)  # same inputs for every key
-        x = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
-        dy = torch.randn(seq, batch, config.hidden_size, generator=gen).to(device, dtype)
+        # the same inputs for every key
+        x, dy = layer_inputs(seq, batch, config.hidden_size, dtype, seed=3, device=device)
         state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                  for k, v in module.state_dict().items()}
         res = _step(module, g32, x, dy)

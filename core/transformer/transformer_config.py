@@ -56,13 +56,9 @@ class TransformerConfig(_MegatronTransformerConfig):
         validate_gdn_config(self)
 
 
-def validate_gdn_config(config) -> None:
-    """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
-    ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
-    another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
-    provider -- is checked too). A config without the fields passes. TypeError for a field of
-    the wrong type (a string or an int is not a bool), ValueError for a combination the fused
-    norm does not implement."""
+def check_gdn_field_types(config) -> bool:
+    """The types of the two GDN fields (TypeError: a string or an int is not a bool); returns
+    whether the config asks for the fused norm."""
     fused = getattr(config, "fused_gated_norm", False)
     if not isinstance(fused, bool):
         raise TypeError(f"fused_gated_norm must be True or False, got {fused!r}")
@@ -73,7 +69,17 @@ def validate_gdn_config(config) -> None:
             "layernorm_zero_centered_gamma), True or False, got "
             f"{zero_centered!r}"
         )
-    if not fused:
+    return fused
+
+
+def validate_gdn_config(config) -> None:
+    """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
+    ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
+    another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
+    provider -- is checked too). A config without the fields passes. TypeError for a field of
+    the wrong type (a string or an int is not a bool), ValueError for a combination the fused
+    norm does not implement."""
+    if not check_gdn_field_types(config):
         return
     if config.normalization != "RMSNorm":
         raise ValueError(

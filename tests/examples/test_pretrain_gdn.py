@@ -64,8 +64,18 @@ def _run(out, *extra):
     return runs
 
 
+def _fused_calls_per_step(run) -> int:
+    """What the flag-on run must make: one fused norm call per GDN layer and micro-batch, and
+    one more in the backward where the norm is recomputed."""
+    args = run["args"]
+    return run["gdn_layers"] * args["num_micro_batches"] * (2 if args["recompute_norm"] else 1)
+
+
 def _check_agreement(off, on, steps):
     assert off["fused_gated_norm"] is False and on["fused_gated_norm"] is True
+    # The flag reached every GDN layer on every step, and the flag-off run never fused.
+    assert on["gdn_layers"] > 0 and on["fused_norm_calls"] == steps * _fused_calls_per_step(on)
+    assert off["fused_norm_calls"] == 0
     for run in (off, on):
         assert len(run["losses"]) == steps
         assert all(math.isfinite(x) for x in run["losses"]), run["losses"]
@@ -77,6 +87,9 @@ def _check_agreement(off, on, steps):
     checks = off["paired_checks"]
     assert [c["step"] for c in checks] == list(range(1, steps + 1))
     for c in checks:
+        # Only the paired check's fused pass fused, and it did, in every GDN layer.
+        assert c["fused_norm_calls"] == {"off": 0, "repeat": 0, "eager": 0,
+                                         "on": _fused_calls_per_step(on)}, c
         assert abs(c["dloss"]) <= MAX_ULPS_FP32 * _ulp(c["loss_off"]), c
         assert c["grad_rel"] <= MAX_GRAD_REL_FP32 and c["out_norm_grad_rel"] <= MAX_GRAD_REL_FP32, c
         # The floors: on the CPU (deterministic kernels, no jit_fuser) the unfused path repeats

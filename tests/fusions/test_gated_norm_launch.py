@@ -49,8 +49,8 @@ def test_backward_blocks_keep_the_row_layout_of_wider_ones(h200, dim):
     one-warp blocks at 128 and 256 take 16, which lay a row out alike (at 256 a 2-byte row;
     tests/tools/test_kernel_ir.py)."""
     cfg = launch.backward_launch(dim, GPU)
-    assert cfg.bt * cfg.block_d == launch.BACKWARD_ELEMENTS_PER_BLOCK
-    per_thread = 16 if dim in launch.BACKWARD_SWEPT_BLOCKS else launch.BACKWARD_ELEMENTS_PER_THREAD
+    assert cfg.bt * cfg.block_d == 512
+    per_thread = 16 if dim in (128, 256) else 8
     assert cfg.bt * cfg.block_d // (32 * cfg.warps) == per_thread
 
 

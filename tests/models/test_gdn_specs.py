@@ -1,7 +1,7 @@
 """Spec functions of core.models.gdn_specs without Transformer Engine: module, layer and hybrid
 block specs; a GPTModel built from the hybrid block spec trains a step on the CPU with the flag."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import install_cpu_shims
 
 install_cpu_shims()
 
@@ -26,10 +26,7 @@ from core.ssm import GatedDeltaNet  # noqa: E402
 from core.testing.gdn import gdn_config  # noqa: E402
 from core.transformer import LocalNorm, RMSNorm  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
+pytestmark = pytest.mark.usefixtures("model_parallel_tp1")
 
 
 def test_gdn_module_spec_without_te(monkeypatch):

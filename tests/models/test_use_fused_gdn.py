@@ -4,7 +4,7 @@ the input is untouched, and the models built from both specs have the same state
 sharded-state-dict keys. assert_fused_gdn rejects a model that asks for the fusion but holds
 megatron's class."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import install_cpu_shims
 
 install_cpu_shims()
 
@@ -31,10 +31,7 @@ from core.testing.specs import (  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
+pytestmark = pytest.mark.usefixtures("model_parallel_tp1")
 
 
 def _config(moe: bool = False, **overrides):
@@ -203,3 +200,14 @@ def test_assert_fused_gdn_zero_centring_override_and_no_op():
     assert_fused_gdn(_gpt(plain, te_to_local(_megatron_block_spec(plain))))  # nothing asked
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         assert_fused_gdn("model")
+
+
+@pytest.mark.parametrize("field, value", [("fused_gated_norm", "false"),
+                                          ("gdn_out_norm_zero_centered_gamma", 0)])
+def test_assert_fused_gdn_names_a_field_of_the_wrong_type(field, value):
+    """A config field set from text (a provider's YAML) is named, not read as a truth value."""
+    config = _config()
+    model = _gpt(config, te_to_local(_megatron_block_spec(config)))
+    setattr(config, field, value)
+    with pytest.raises(TypeError, match=f"{field} must be .*True or False, got {value!r}"):
+        assert_fused_gdn(model)

@@ -2,7 +2,7 @@
 flag on vs off parity per the numerics contract, unchanged megatron behaviour with the flag off,
 zero-copy data flow, zero-centring override, and every validate_gated_norm rejection."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import install_cpu_shims
 
 install_cpu_shims()
 
@@ -19,12 +19,13 @@ from core.testing.gdn import (  # noqa: E402
     bytes_kept_for_backward,
     build_gdn_module,
     gdn_config,
+    layer_inputs,
     randomize_norm_weights,
 )
 from core.transformer import RMSNorm  # noqa: E402
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps  # noqa: E402
 
-pytestmark = pytest.mark.cpu_shims
+pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
 SEQ, BATCH, HIDDEN = 24, 2, 64
 # The GDN gate activations the kernel implements (config.activation_func); gdn_config's
@@ -32,16 +33,8 @@ SEQ, BATCH, HIDDEN = 24, 2, 64
 ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
-
-
 def _inputs(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(dtype)
-    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(dtype)
-    return x, dy
+    return layer_inputs(SEQ, BATCH, HIDDEN, dtype, seed)
 
 
 def _run(layer, x, dy):

@@ -3,41 +3,26 @@ GatedDeltaNet._apply_gated_norm: the fused one never calls out_norm, and the sca
 swaps its weight slot. Megatron's DDP with ``overlap_param_gather`` waits for a parameter's
 all-gather in such a hook; skipping it would let the norm read a stale weight."""
 
-from core.testing.cpu import cpu_tensor_types, init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import cpu_tensor_types, install_cpu_shims
 
 install_cpu_shims()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.ssm.gated_delta_net import (  # noqa: E402
-    TP_AVG_TAG,
-    run_forward_hooks,
-    run_forward_pre_hooks,
-)
-from core.testing.gdn import build_gdn_module, gdn_config  # noqa: E402
+from core.ssm.gated_delta_net import run_forward_hooks, run_forward_pre_hooks  # noqa: E402
+from core.testing.gdn import build_gdn_module, gdn_config, set_out_norm_grad_scale  # noqa: E402
 
-pytestmark = pytest.mark.cpu_shims
+pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
 PATHS = [(False, 1.0), (False, 2.0), (True, 1.0), (True, 2.0)]
 PATH_IDS = ["unfused", "unfused-scaled", "fused", "fused-scaled"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
 
 
 def _inputs():
     gen = torch.Generator().manual_seed(3)
     return (torch.randn(2, 3, 4, 16, generator=gen).bfloat16(),
             torch.randn(2, 3, 4, 16, generator=gen).bfloat16())
-
-
-def _set_scale(module, scale):
-    """As on a TP rank whose partial dW megatron leaves unreduced (scale 2) or TP 1 (scale 1)."""
-    module.out_norm_weight_grad_scale = scale
-    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
 
 
 def test_hooks_run_in_order_with_the_arguments():
@@ -82,6 +67,9 @@ def test_forward_hooks_run_in_order_and_may_replace_the_output():
     handles = [
         torch.nn.modules.module.register_module_forward_hook(
             lambda m, args, output: seen.append(("global", output))),
+        torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, kwargs, output: seen.append(("global_kwargs", output)),
+            with_kwargs=True),
         module.register_forward_hook(lambda m, args, output: seen.append(("plain", output))),
         module.register_forward_hook(lambda m, args, kwargs, output: output * 3, with_kwargs=True),
         module.register_forward_hook(lambda m, args, output: seen.append(("last", output))),
@@ -91,8 +79,8 @@ def test_forward_hooks_run_in_order_and_may_replace_the_output():
     finally:
         for handle in handles:
             handle.remove()
-    assert [name for name, _ in seen] == ["global", "plain", "last"]
-    assert seen[0][1] is out and torch.equal(seen[2][1], out * 3) and seen[2][1] is result
+    assert [name for name, _ in seen] == ["global", "global_kwargs", "plain", "last"]
+    assert seen[0][1] is out and torch.equal(seen[3][1], out * 3) and seen[3][1] is result
 
 
 @pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
@@ -100,7 +88,7 @@ def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
     """As megatron's call ``out_norm(x.reshape(-1, D))`` runs them: each pre-hook and forward
     hook once per forward, on the [tokens * heads, D] input."""
     module = build_gdn_module(gdn_config(fused_gated_norm=fused))
-    _set_scale(module, scale)
+    set_out_norm_grad_scale(module, scale)
     calls = []
     module.out_norm.register_forward_pre_hook(lambda m, args: calls.append(("pre", args[0].shape)))
     module.out_norm.register_forward_hook(lambda m, args, out: calls.append(("post", args[0].shape)))
@@ -112,18 +100,21 @@ def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
 
 @pytest.mark.parametrize("scale", [1.0, 2.0], ids=["unfused", "unfused-scaled"])
 def test_unfused_paths_apply_a_replaced_input_once(scale):
+    """The hook shifts the input (a scale would cancel in the norm): the result is the norm of
+    x + 1, not of x (hook dropped) or of x + 2 (applied twice)."""
     module = build_gdn_module(gdn_config(fused_gated_norm=False))
-    _set_scale(module, scale)
+    set_out_norm_grad_scale(module, scale)
     x, gate = _inputs()
-    want = module._apply_gated_norm(x * 2, gate)
-    module.out_norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
-    assert torch.equal(module._apply_gated_norm(x, gate), want)
+    results = {shift: module._apply_gated_norm(x + shift, gate) for shift in (0, 1, 2)}
+    assert not torch.equal(results[1], results[0]) and not torch.equal(results[1], results[2])
+    module.out_norm.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    assert torch.equal(module._apply_gated_norm(x, gate), results[1])
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0], ids=["fused", "fused-scaled"])
 def test_fused_path_refuses_hooks_it_cannot_honour(scale):
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
-    _set_scale(module, scale)
+    set_out_norm_grad_scale(module, scale)
     x, gate = _inputs()
     handle = module.out_norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
     with pytest.raises(RuntimeError, match="replaces the norm's input"):
@@ -146,7 +137,7 @@ def test_fused_output_carries_a_forward_hooks_pre_backward_hook(scale):
     view of the output with a gradient hook on it, which must fire before the norm's backward
     reads the weight."""
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
-    _set_scale(module, scale)
+    set_out_norm_grad_scale(module, scale)
     events = []
 
     def forward_hook(m, args, out):
@@ -166,7 +157,7 @@ def test_fused_output_carries_a_forward_hooks_pre_backward_hook(scale):
 @pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
 def test_out_norm_hooks_see_the_weight_parameter(fused, scale):
     module = build_gdn_module(gdn_config(fused_gated_norm=fused))
-    _set_scale(module, scale)
+    set_out_norm_grad_scale(module, scale)
     weight = module.out_norm.weight
     seen = []
     module.out_norm.register_forward_pre_hook(
@@ -186,7 +177,7 @@ def test_megatron_ddp_waits_for_the_out_norm_weight_all_gather(fused, scale):
                                                overlap_param_gather=True)
     with cpu_tensor_types():  # megatron checks param.type() against CUDA type names
         ddp = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
-    _set_scale(ddp.module, scale)
+    set_out_norm_grad_scale(ddp.module, scale)
     group = ddp.param_to_bucket_group[ddp.module.out_norm.weight]
     finished = []
     finish = group.finish_param_sync

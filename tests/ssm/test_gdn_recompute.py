@@ -3,7 +3,7 @@ input grad and every parameter grad with and without recompute; the norm output'
 freed after the forward and rebuilt in backward; validate_gated_norm runs again during the
 recomputation. Megatron's full layer recompute of a GDN hybrid GPT: the same, bit for bit."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import install_cpu_shims
 
 install_cpu_shims()
 
@@ -11,17 +11,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
-from core.testing.gdn import build_gdn_layer, gdn_config, randomize_norm_weights  # noqa: E402
+from core.testing.gdn import (build_gdn_layer, gdn_config, layer_inputs,  # noqa: E402
+                              randomize_norm_weights, set_out_norm_grad_scale)
 
-pytestmark = pytest.mark.cpu_shims
+pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
 SEQ, BATCH, HIDDEN = 24, 2, 64
 RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
 
 
 @pytest.fixture
@@ -47,10 +43,7 @@ def _pair(fused: bool):
 
 
 def _inputs():
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(torch.bfloat16)
-    dy = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(torch.bfloat16)
-    return x, dy
+    return layer_inputs(SEQ, BATCH, HIDDEN, seed=11)
 
 
 def _forward(layer, x):
@@ -136,8 +129,7 @@ def test_recompute_scales_the_out_norm_grad_once(fused):
     grads = {}
     for scale in (1.0, 2.0):
         for name, layer in zip(("plain", "recompute"), _pair(fused)):
-            layer.self_attention.out_norm_weight_grad_scale = scale
-            layer.self_attention.out_norm.weight.average_gradients_across_tp_domain = scale != 1.0
+            set_out_norm_grad_scale(layer.self_attention, scale)
             _, out = _forward(layer, x)
             out.backward(dy)
             grads[name, scale] = _grads(layer)

@@ -21,10 +21,10 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from core.testing.gdn_layer_tp import spawn_worker  # noqa: E402
-from core.testing.gdn_tp import rel_err  # noqa: E402
+from core.testing.gdn_tp import rel_err, tolerance  # noqa: E402
 
 TP = 2
-BF16_TOLERANCE = 8e-3  # one bf16 ulp of the largest element (core.testing.gdn_tp.tolerance)
+BF16_TOLERANCE = tolerance({"dtype": "bf16"})  # about one bf16 ulp of the largest element
 EXPECTED_SCALE = {"tp2-sp": 1.0, "tp2": 2.0, "tp2-cuda-graph": 2.0}
 
 

@@ -4,7 +4,7 @@ parameter carries no hook and no Python object, megatron's own reduction rule is
 run, and a replaced weight without its tag is refused. The multi-rank checks (gloo, TP 2 and 4)
 are in test_gdn_tensor_parallel.py."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+from core.testing.cpu import install_cpu_shims
 
 install_cpu_shims()
 
@@ -20,16 +20,12 @@ from core.ssm.gated_delta_net import (  # noqa: E402
     scale_grad,
     weight_read_as,
 )
-from core.testing.gdn import build_gdn_module, gdn_config, randomize_norm_weights  # noqa: E402
+from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weights,  # noqa: E402
+                              set_out_norm_grad_scale)
 from core.testing.gdn_tp import megatron_summing_out_norm_grad  # noqa: E402
 from core.transformer import RMSNorm  # noqa: E402
 
-pytestmark = pytest.mark.cpu_shims
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_parallel():
-    init_cpu_model_parallel(tp_size=1)
+pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
 
 def test_scale_grad_is_identity_forward_and_scales_the_backward():
@@ -99,8 +95,7 @@ def test_weight_read_as_scales_the_weight_gradient_once(make_norm):
 
 def _norm_grads(module, scale, dtype=torch.bfloat16):
     """out, dx, dgate, dW of module._apply_gated_norm with the given weight-gradient scale."""
-    module.out_norm_weight_grad_scale = scale
-    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
+    set_out_norm_grad_scale(module, scale)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)
     gate = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)

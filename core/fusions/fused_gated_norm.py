@@ -30,7 +30,7 @@ from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdi
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
     FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool,
     check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
-    check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
+    check_out_apart, check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
     tensor_signature, validate_gated_norm)
 
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -556,12 +556,26 @@ def forward_impl(
     (nothing to differentiate: the output's bits are the same). No input is copied.
 
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
-    buffer); a new contiguous tensor when None. ``bt``/``warps``/``pdl`` (programmatic
-    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
-    ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant. The
-    tensors, eps and the activation are checked (``fused_gated_norm``'s rules, TypeError /
-    ValueError) when their launch signature (everything those checks read) is new, the same
-    plan serving every later call that matches it; the flags and overrides on every call."""
+    buffer); a new contiguous tensor when None. Its rows must not share memory with each other;
+    it may be x or gate itself (computed in place), else it must not overlap them, nor the
+    weight (ValueError). ``bt``/``warps``/``pdl`` (programmatic dependent launch) override the
+    heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). ``zero_centered`` must be a
+    bool (TypeError otherwise): it selects a compiled variant. The tensors, eps and the
+    activation are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when their
+    launch signature (everything those checks read) is new, the same plan serving every later
+    call that matches it; the flags and overrides on every call, and so are all the rules and
+    the overlap of a given ``out`` (addresses are not in a signature)."""
+    if out is not None:
+        _check_forward(x, gate, weight, out, eps, activation)
+        check_out_apart("forward_impl", out, (("x", x), ("gate", gate)), weight)
+    return _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt,
+                         warps, pdl)
+
+
+def _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt=None,
+                  warps=None, pdl=None):
+    """forward_impl once a given ``out`` has passed its per-call checks; ``_forward_buffer``
+    calls it with a buffer of its own."""
     check_bool("forward_impl", "zero_centered", zero_centered)
     check_bool("forward_impl", "store_rstd", store_rstd)
     if bt is not None or warps is not None or pdl is not None:  # checked on every call
@@ -663,11 +677,10 @@ def _forward_buffer(x, gate, weight, eps, zero_centered, out_layout, activation,
     if out_layout == "sbhd":
         batch, seq, heads, dim = x.shape
         buffer = x.new_empty((seq, batch, heads, dim))  # cheaper than torch.empty(..., device=)
-        _, rstd = forward_impl(x, gate, weight, eps, zero_centered, out=buffer.transpose(0, 1),
-                               activation=activation, store_rstd=store_rstd)
+        _, rstd = _forward_into(x, gate, weight, eps, zero_centered, buffer.transpose(0, 1),
+                                activation, store_rstd)
         return buffer, rstd
-    return forward_impl(x, gate, weight, eps, zero_centered, activation=activation,
-                        store_rstd=store_rstd)
+    return _forward_into(x, gate, weight, eps, zero_centered, None, activation, store_rstd)
 
 
 def _as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:

@@ -22,7 +22,8 @@ import triton.language as tl
 from core.fusions.fused_gated_norm import dense_blocks, launch_gated_norm_fwd
 from core.fusions.gated_norm_validation import (check_activation, check_bool, check_head_dim,
                                             check_last_dim_stride, check_operands,
-                                            check_positive_number, check_rows, check_tensors)
+                                            check_positive_number, check_rows, check_tensors,
+                                            overlap)
 from core.fusions.gated_norm_launch import forward_launch
 
 # vLLM spells silu "swish"; both name the same kernel branch.
@@ -155,7 +156,7 @@ def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_
             continue
         lo = t.data_ptr()
         hi = lo + ((tokens - 1) * token_strides[name] + width) * size
-        if lo < out_hi and out_lo < hi and _overlap(out, t) == "partial":
+        if lo < out_hi and out_lo < hi and overlap(out, t) == "partial":
             raise ValueError(
                 f"{_NAME}: out must either be {name} itself (same data_ptr, shape and strides) "
                 f"or not overlap it; it partially overlaps {name}"
@@ -163,47 +164,3 @@ def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_
     weight_lo = weight.data_ptr()
     if weight_lo < out_hi and out_lo < weight_lo + head_v_dim * weight.element_size():
         raise ValueError(f"{_NAME}: out must not overlap weight (every program reads weight)")
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte addresses of t's elements (t non-empty, non-negative strides)."""
-    start = t.data_ptr()
-    last = sum([(n - 1) * s for n, s in zip(t.shape, t.stride())])
-    return start, start + (last + 1) * t.element_size()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> str:
-    """'none', 'same' (identical view) or 'partial' (any other sharing, conservatively).
-
-    torch's own overlap check (torch._C._overlaps) answers "too hard" for non-dense views such
-    as a slice of a packed projection, so the spans are compared here from the metadata."""
-    if a.numel() == 0 or b.numel() == 0:
-        return "none"
-    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
-    if a_hi <= b_lo or b_hi <= a_lo:
-        return "none"
-    if a_lo == b_lo and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype:
-        return "same"
-    if _interleaved_rows_disjoint(a, b):
-        return "none"
-    return "partial"
-
-
-def _interleaved_rows_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact test for two 2-D views with unit last stride and one common row pitch, such as two
-    column slices of one packed buffer: their spans intersect, their elements need not.
-
-    Row i of a covers [a_lo + i*p, a_lo + i*p + wa) and row j of b [b_lo + j*p, b_lo + j*p + wb)
-    (bytes). With d = b_lo - a_lo and k = i - j, they meet iff (d - wa) / p < k < (d + wb) / p
-    for some k in [-(rows_b - 1), rows_a - 1]."""
-    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or b.stride(1) != 1:
-        return False
-    size = a.element_size()
-    pitch = a.stride(0) * size
-    wa, wb = a.shape[1] * size, b.shape[1] * b.element_size()
-    if b.stride(0) * b.element_size() != pitch or pitch < max(wa, wb):
-        return False
-    d = b.data_ptr() - a.data_ptr()
-    k_lo = max((d - wa) // pitch + 1, -(b.shape[0] - 1))
-    k_hi = min(-(-(d + wb) // pitch) - 1, a.shape[0] - 1)
-    return k_lo > k_hi

@@ -92,9 +92,13 @@ def test_forward_without_autograd_stores_no_rstd(mode, monkeypatch):
     x, gate, weight = make_inputs((2, 5, 3, 64), torch.bfloat16)
     with_rstd = fused_gated_norm(*(t.detach().requires_grad_() for t in (x, gate, weight)), EPS)
     calls = []
-    real = kernel_module.forward_impl
-    monkeypatch.setattr(kernel_module, "forward_impl",
-                        lambda *args, **kwargs: calls.append(kwargs["store_rstd"]) or real(*args, **kwargs))
+    real = kernel_module._forward_into  # what the entry calls
+
+    def spy(x, gate, weight, eps, zero_centered, out, activation, store_rstd, *rest):
+        calls.append(store_rstd)
+        return real(x, gate, weight, eps, zero_centered, out, activation, store_rstd, *rest)
+
+    monkeypatch.setattr(kernel_module, "_forward_into", spy)
     if mode == "no_grad":
         with torch.no_grad():
             out = fused_gated_norm(*(t.detach().requires_grad_() for t in (x, gate, weight)), EPS)
@@ -102,7 +106,7 @@ def test_forward_without_autograd_stores_no_rstd(mode, monkeypatch):
         out = fused_gated_norm(x, gate, weight, EPS)
     assert calls == [False] and not out.requires_grad
     assert torch.equal(out, with_rstd.detach())
-    assert real(x, gate, weight, EPS, store_rstd=False)[1] is None
+    assert kernel_module.forward_impl(x, gate, weight, EPS, store_rstd=False)[1] is None
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -364,10 +368,10 @@ def test_weight_grad_scale_multiplies_dw_exactly(weight_dtype, scale):
 
 def test_integer_eps_reaches_the_kernel_as_a_float(monkeypatch):
     # An int would be another kernel argument type (and 1 a specialised value): one more compile.
-    seen, forward_impl = [], kernel_module.forward_impl
-    monkeypatch.setattr(kernel_module, "forward_impl",
-                        lambda x, gate, weight, eps, *args, **kwargs:
-                        seen.append(eps) or forward_impl(x, gate, weight, eps, *args, **kwargs))
+    seen, forward_into = [], kernel_module._forward_into  # what the entry calls
+    monkeypatch.setattr(kernel_module, "_forward_into",
+                        lambda x, gate, weight, eps, *args:
+                        seen.append(eps) or forward_into(x, gate, weight, eps, *args))
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
     assert torch.equal(fused_gated_norm(x, gate, weight, 1), fused_gated_norm(x, gate, weight, 1.0))
     assert [type(eps) for eps in seen] == [float, float]
@@ -576,8 +580,22 @@ def _impl_calls():
     bwd(x, gate, weight, rstd, x)
     bwd(x, gate, weight, rstd, x, weight_grad_scale=1)
     bwd(x, gate, weight, rstd, x, programs=1)
+    # x and an out that shares half of its bytes, after a good out of the same signature
+    storage = torch.cat([x.flatten(), x.flatten()])
+    x_in, shifted_out = storage[:x.numel()].view(x.shape), storage[128:128 + x.numel()].view(x.shape)
+    fwd(x_in, gate, weight, EPS, out=torch.empty_like(x))
+    weight_in_out = torch.empty_like(x)
     meta = {name: t.to("meta") for name, t in (("x", x), ("weight", weight), ("rstd", rstd))}
     return {
+        "out_partly_x": (lambda: fwd(x_in, gate, weight, EPS, out=shifted_out), ValueError,
+                         "forward_impl: out must either be x itself .* partially overlaps x"),
+        "out_partly_gate": (lambda: fwd(x, x_in, weight, EPS, out=shifted_out), ValueError,
+                            "forward_impl: out must either be gate itself .* partially overlaps gate"),
+        "out_rows_overlap": (lambda: fwd(x, gate, weight, EPS, out=torch.empty_like(x)[:, :, :1]
+                                         .expand(x.shape)), ValueError,
+                             "forward_impl: out rows must not overlap each other"),
+        "out_over_weight": (lambda: fwd(x, gate, weight_in_out[0, 0, 0], EPS, out=weight_in_out),
+                            ValueError, "forward_impl: out must not overlap weight"),
         "eps_bool": (lambda: fwd(x, gate, weight, True), TypeError,
                      "forward_impl: eps must be a Python float or int, got bool"),
         "bt_bool": (lambda: fwd(x, gate, weight, EPS, bt=True), TypeError,
@@ -655,6 +673,16 @@ def test_impls_check_their_tensors_and_launch_overrides(case):
     call, exception, message = _impl_calls()[case]
     with pytest.raises(exception, match=message):
         call()
+
+
+def test_forward_impl_computes_in_place():
+    """out may be x or gate itself: each program reads its rows before it writes them."""
+    x, gate, weight = make_inputs((2, 3, 4, 64), torch.bfloat16)
+    want, _ = kernel_module.forward_impl(x, gate, weight, EPS)
+    for name, t in (("x", x.clone()), ("gate", gate.clone())):
+        args = {"x": x, "gate": gate} | {name: t}
+        out, _ = kernel_module.forward_impl(args["x"], args["gate"], weight, EPS, out=t)
+        assert out is t and torch.equal(t, want), name
 
 
 # ------------------------------------------------------------------------------------ 64-bit rows

@@ -236,11 +236,3 @@ def test_bad_input(case, monkeypatch):
         fused_gdn_gated_rms_norm(**make_args(_good()))
 
 
-def test_interleaved_slices_are_not_overlap():
-    """x and z as column slices of one packed buffer: their spans intersect, elements do not."""
-    buf = torch.zeros(4, 40, dtype=torch.bfloat16, device=DEVICE)
-    a, b = buf[:, :16], buf[:, 16:32]
-    assert mod._overlap(a, b) == "none" and mod._overlap(b, a) == "none"
-    assert mod._overlap(a, buf[:, 15:31]) == "partial"
-    assert mod._overlap(a, buf[1:, 32:40].unflatten(1, (1, 8))) == "partial"  # not 2-D: conservative
-    assert mod._overlap(a, a.view(4, 16)) == "same"

@@ -148,3 +148,36 @@ def test_metadata_no_dict_takes_goes_through_the_rules(monkeypatch):
     make_fx(check, tracing_mode="symbolic")(x, gate, weight)
     assert validation._checked_inputs == {}
 
+
+def test_overlap_of_views():
+    """Column slices of one packed buffer: their spans intersect, their elements do not; the
+    exact test also takes [tokens, heads, dim] views of them. Anything else that shares bytes is
+    a partial overlap (conservatively), an identical view the same."""
+    buf = torch.zeros(4, 40, dtype=torch.bfloat16)
+    a, b = buf[:, :16], buf[:, 16:32]
+    assert validation.overlap(a, b) == "none" and validation.overlap(b, a) == "none"
+    assert validation.overlap(a, buf[:, 15:31]) == "partial"
+    assert validation.overlap(a.unflatten(1, (2, 8)), buf[1:, 32:40].unflatten(1, (1, 8))) == "none"
+    assert validation.overlap(a, buf[1:, 8:24].unflatten(1, (2, 8))) == "partial"
+    assert validation.overlap(a, buf.t()[:16].t()) == "same"
+    assert validation.overlap(a, buf[:0]) == "none"
+    sbhd = torch.zeros(8, 2, 16).transpose(0, 1)  # no [tokens, 16] view: conservative
+    assert validation.overlap(sbhd, torch.zeros(8, 2, 16)[:, :, 8:].transpose(0, 1)) == "none"
+    assert validation.overlap(sbhd[:, :, :8], sbhd[:, :, 8:]) == "partial"
+
+
+@pytest.mark.parametrize("view, apart", [
+    (lambda t: t, True),
+    (lambda t: t[:, :, :1].expand(2, 3, 4, 16), False),  # four heads on one row
+    (lambda t: t.transpose(0, 1), True),  # an sbhd view
+    (lambda t: torch.zeros(2, 3, 64).as_strided((2, 3, 4, 16), (192, 64, 8, 1)), False),
+    (lambda t: t[:, :1].expand(2, 1, 4, 16), True),  # a size-1 dim takes any stride
+])
+def test_rows_apart(view, apart):
+    t = view(torch.zeros(2, 3, 4, 16))
+    if apart:
+        validation.check_rows_apart("entry", "out", t)
+    else:
+        with pytest.raises(ValueError, match="entry: out rows must not overlap each other"):
+            validation.check_rows_apart("entry", "out", t)
+

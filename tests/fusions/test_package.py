@@ -26,10 +26,10 @@ def test_fused_gated_norm_is_the_module():
 def test_patching_the_module_takes_effect():
     """mock.patch resolves "core.fusions.fused_gated_norm" through the package attribute: it must
     be the module, or the patch lands on something the entry never calls."""
-    from core.fusions.fused_gated_norm import forward_impl, fused_gated_norm
+    from core.fusions.fused_gated_norm import _forward_into, forward_impl, fused_gated_norm
 
     x, gate, weight = make_inputs((1, 2, 2, 64))
-    with mock.patch("core.fusions.fused_gated_norm.forward_impl", wraps=forward_impl) as spy:
+    with mock.patch("core.fusions.fused_gated_norm._forward_into", wraps=_forward_into) as spy:
         out = fused_gated_norm(x, gate, weight, EPS)
     assert spy.call_count == 1
     assert torch.equal(out, forward_impl(x, gate, weight, EPS)[0])

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 if __name__ == "__main__":  # compile, never interpret (before triton is imported); imported by
-    os.environ.pop("TRITON_INTERPRET", None)  # tests/fusions/test_compile.py, it leaves it be
+    os.environ.pop("TRITON_INTERPRET", None)  # tests/fusions/test_fused_gated_norm_compile.py, it leaves it be
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402

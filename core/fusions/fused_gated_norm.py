@@ -39,7 +39,7 @@ OUT_LAYOUTS = ("bshd", "sbhd")
 
 # Kernel arguments that change with the token count (packed sequences of varying total length).
 # They are never specialised (no divisibility or ==1 variants), so a new token count reuses the
-# compiled kernel; tests/fusions/test_compile.py checks the whole specialisation key.
+# compiled kernel; tests/fusions/test_fused_gated_norm_compile.py checks the whole specialisation key.
 PER_STEP_ARGS = ["ROWS", "SEQUENCE", "PROGRAMS"]
 
 

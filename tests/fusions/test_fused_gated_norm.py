@@ -406,7 +406,7 @@ def test_rows_get_the_same_bits_in_any_batch():
     a batch many times larger (on the GPU: 8 tokens against 4096 tokens of 32 heads, 131k rows).
     The interpreter's bits do not depend on the block size, so on the CPU this checks the
     addressing of a token slice; that the launch parameters never depend on the row count is
-    tests/fusions/test_compile.py::test_token_count_does_not_change_the_compile_key."""
+    tests/fusions/test_fused_gated_norm_compile.py::test_token_count_does_not_change_the_compile_key."""
     seq, heads = (4096, 32) if DEVICE == "cuda" else (64, 4)
     x, gate, weight = make_inputs((1, seq, heads, 128), torch.bfloat16)
     dy = make_inputs((1, seq, heads, 128), torch.bfloat16, seed=1)[0]

@@ -240,21 +240,6 @@ def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute
     assert modules[True]._reads_gate_in_place()
 
 
-def test_counting_norm_calls_counts_each_run_of_the_norm_code_and_restores_it():
-    """The counter the CUDA-graph harnesses use to tell a replayed step (no Python norm call)
-    from an eager one."""
-    from core.testing.gdn_layer_tp import counting_norm_calls
-
-    original = gdn_mod.GatedDeltaNet._apply_gated_norm
-    module = build_gdn_module(gdn_config(fused_gated_norm=True))
-    x, _ = _inputs(torch.bfloat16, seed=3)
-    with counting_norm_calls() as calls, torch.no_grad():
-        module(x, attention_mask=None)
-        module(x, attention_mask=None)
-    assert len(calls) == 2
-    assert gdn_mod.GatedDeltaNet._apply_gated_norm is original
-
-
 def test_fused_forward_checks_inputs_once(monkeypatch):
     """validate_gated_norm includes the kernel's input checks; the module must not repeat them."""
     import core.fusions.fused_gated_norm as kernel_mod

@@ -32,8 +32,7 @@ import torch  # noqa: E402
 
 from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,  # noqa: E402
                                    layout_config, make_reference, partial_out_norm_grad,
-                                   reference_worker, replica_mismatches, run_case, spawn_layouts,
-                                   thd_cp_indices)
+                                   reference_worker, replica_mismatches, run_case, spawn_layouts)
 
 WORLDS = {
     2: (
@@ -265,14 +264,6 @@ def test_stand_ins_equal_megatron_deterministic_path(reference):
     assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
-
-
-def test_thd_cp_indices():
-    cu = torch.tensor([0, 8, 20])
-    assert thd_cp_indices(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]
-    assert thd_cp_indices(cu, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
-    with pytest.raises(ValueError, match="not divisible by 2 x cp_size = 4"):
-        thd_cp_indices(torch.tensor([0, 6]), 2, 0)
 
 
 @in_a_cpu_process

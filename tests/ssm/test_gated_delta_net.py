@@ -24,6 +24,7 @@ from core.testing.gdn import (  # noqa: E402
 )
 from core.transformer import RMSNorm  # noqa: E402
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps  # noqa: E402
+from tests.gated_norm_inputs import make_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
@@ -316,8 +317,7 @@ def fused_module():
 
 
 def _xg(dtype=torch.bfloat16, heads=4, dim=16):
-    x = torch.randn(2, 3, heads, dim).to(dtype)
-    return x, torch.randn(2, 3, heads, dim).to(dtype)
+    return make_inputs((2, 3, heads, dim), dtype)[:2]
 
 
 def _with_config(module, **changes):

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from core.ssm.gated_delta_net import run_forward_hooks, run_forward_pre_hooks  # noqa: E402
 from core.testing.gdn import build_gdn_module, gdn_config, set_out_norm_grad_scale  # noqa: E402
+from tests.gated_norm_inputs import make_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
@@ -20,9 +21,7 @@ PATH_IDS = ["unfused", "unfused-scaled", "fused", "fused-scaled"]
 
 
 def _inputs():
-    gen = torch.Generator().manual_seed(3)
-    return (torch.randn(2, 3, 4, 16, generator=gen).bfloat16(),
-            torch.randn(2, 3, 4, 16, generator=gen).bfloat16())
+    return make_inputs((2, 3, 4, 16), seed=3)[:2]
 
 
 def test_hooks_run_in_order_with_the_arguments():

@@ -25,6 +25,8 @@ from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weigh
 from core.testing.gdn_tp import megatron_summing_out_norm_grad  # noqa: E402
 from core.transformer import RMSNorm  # noqa: E402
 
+from tests.gated_norm_inputs import make_grad_inputs  # noqa: E402
+
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
 
@@ -96,11 +98,9 @@ def test_weight_read_as_scales_the_weight_gradient_once(make_norm):
 def _norm_grads(module, scale, dtype=torch.bfloat16):
     """out, dx, dgate, dW of module._apply_gated_norm with the given weight-gradient scale."""
     set_out_norm_grad_scale(module, scale)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)
-    gate = torch.randn(2, 3, 4, 16, generator=gen).to(dtype).requires_grad_(True)
+    x, gate, _, dy, _ = make_grad_inputs((2, 3, 4, 16), dtype=dtype, seed=5, device="cpu")
     out = module._apply_gated_norm(x, gate)
-    out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+    out.backward(dy.reshape(out.shape))  # megatron's unfused norm returns [tokens * heads, D]
     weight = module.out_norm.weight
     dw, weight.grad = weight.grad.clone(), None
     return out.detach(), x.grad, gate.grad, dw

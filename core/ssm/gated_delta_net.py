@@ -230,15 +230,31 @@ def carry_tag_to_megatron_fsdp_param(param: torch.nn.Parameter, tag: str) -> Opt
     megatron-core 0.19) without ``average_gradients_across_tp_domain``, so finalize would skip
     the TP reduction. MegatronFSDP.forward marks each parameter with ``_megatron_fsdp_model``
     before it runs the module; its ``param_and_grad_buffer.optimizer_named_parameters`` hold the
-    distributed parameters, each with ``orig_param``. Returns ``id`` of the Megatron-FSDP wrapper
-    that was handled (None without one), so a caller can skip the search next time."""
+    distributed parameters, each with ``orig_param``. Returns the index there of the copy it
+    tagged (None: no wrapper, an untagged ``param`` or no copy), for ``fsdp_copy_tagged``."""
     fsdp = getattr(param, "_megatron_fsdp_model", None)
     if fsdp is None or not getattr(param, tag, False):
         return None
-    for _, dist_param in fsdp.param_and_grad_buffer.optimizer_named_parameters:
+    found = None
+    for index, (_, dist_param) in enumerate(fsdp.param_and_grad_buffer.optimizer_named_parameters):
         if getattr(dist_param, "orig_param", None) is param:
             setattr(dist_param, tag, True)
-    return id(fsdp)
+            found = index if found is None else found
+    return found
+
+
+def fsdp_copy_tagged(param: torch.nn.Parameter, tag: str, index: Optional[int]) -> bool:
+    """Whether Megatron-FSDP's distributed copy at ``index`` (as carry_tag_to_megatron_fsdp_param
+    returned it) is still ``param``'s and carries ``tag``: one lookup, so the search runs again
+    only when the wrapper, its buffer or the copy changed."""
+    if index is None:
+        return False
+    try:
+        _, dist_param = (param._megatron_fsdp_model.param_and_grad_buffer
+                         .optimizer_named_parameters[index])
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
+    return getattr(dist_param, "orig_param", None) is param and getattr(dist_param, tag, False) is True
 
 
 class GatedDeltaNet(_MegatronGatedDeltaNet):
@@ -329,9 +345,9 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         weight = getattr(self.out_norm, "weight", None)  # none: the norm's own checks refuse it
         if not isinstance(weight, torch.nn.Parameter):
             return
-        fsdp = getattr(weight, "_megatron_fsdp_model", None)
-        if fsdp is not None and id(fsdp) != self.__dict__.get("_fsdp_tagged"):
-            self.__dict__["_fsdp_tagged"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
+        if getattr(weight, "_megatron_fsdp_model", None) is not None and not fsdp_copy_tagged(
+                weight, TP_AVG_TAG, self.__dict__.get("_fsdp_tag_index")):
+            self.__dict__["_fsdp_tag_index"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
         if not getattr(weight, TP_AVG_TAG, False):
             raise RuntimeError(
                 f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "

@@ -274,6 +274,27 @@ def test_tp_tag_reaches_megatron_fsdp_distributed_param():
     assert getattr(dist_weight, TP_AVG_TAG, False) is True
     assert not hasattr(dist_other, TP_AVG_TAG)
 
+    # The copy is checked on every forward: a rebuilt buffer, a new wrapper (which may reuse the
+    # old one's address) or a copy that lost the tag gets it again.
+    def fsdp_copy(at_index):
+        copy = torch.nn.Parameter(weight.detach()[:8])
+        copy.orig_param = weight
+        named = [("decoder.other", dist_other)] * at_index + [("decoder.out_norm.weight", copy)]
+        return copy, type("Buffer", (), {"optimizer_named_parameters": named})()
+
+    wrapper = weight._megatron_fsdp_model
+    copy, wrapper.param_and_grad_buffer = fsdp_copy(at_index=0)  # rebuilt, the same wrapper
+    module._apply_gated_norm(x, gate)
+    assert getattr(copy, TP_AVG_TAG, False) is True
+    copy, buffer = fsdp_copy(at_index=2)
+    weight._megatron_fsdp_model = type("FSDP", (), {"param_and_grad_buffer": buffer})()
+    module._apply_gated_norm(x, gate)
+    assert getattr(copy, TP_AVG_TAG, False) is True
+    delattr(copy, TP_AVG_TAG)
+    module._apply_gated_norm(x, gate)
+    assert getattr(copy, TP_AVG_TAG, False) is True
+    assert not hasattr(dist_other, TP_AVG_TAG)
+
 
 def test_megatron_fsdp_still_drops_the_tp_tag():
     """The layout the carrying above relies on, read from megatron-core's source: MegatronFSDP's

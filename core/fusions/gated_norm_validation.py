@@ -252,17 +252,22 @@ def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
         )
 
 
+# A program's rows (a Triton block holds at most 2**20 elements) and warps (a CUDA block at most
+# 1024 threads): larger overrides would fail inside Triton's compiler or the driver.
+MAX_OVERRIDE = {"bt": 2**20, "warps": 32}
+
+
 def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
     """Launch-parameter overrides of the ``*_impl`` wrappers: each ``(name, value)`` of
     ``counts`` None or a positive int (``bt`` and ``warps`` also a power of two: a block and
-    a warp count), each of ``switches`` None or a bool."""
+    a warp count, at most MAX_OVERRIDE), each of ``switches`` None or a bool."""
     for name, value in counts:
         if value is None:
             continue
         if type(value) is not int:
             raise TypeError(f"{entry}: {name} must be None or an int, got {type(value).__name__}")
-        if value < 1 or (name in ("bt", "warps") and value & (value - 1)):
-            rule = "a power of two" if name in ("bt", "warps") else ">= 1"
+        if value < 1 or (name in MAX_OVERRIDE and (value & (value - 1) or value > MAX_OVERRIDE[name])):
+            rule = (f"a power of two <= {MAX_OVERRIDE[name]}" if name in MAX_OVERRIDE else ">= 1")
             raise ValueError(f"{entry}: {name} must be {rule}, got {value}")
     for name, value in switches:
         if value is not None:

@@ -159,6 +159,14 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     for name, values in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, values[col])
+    # Every count is checked before anything divides by it or builds a model from it.
+    for name in ("tp", "dp", "steps", "num_micro_batches", "linear_attention_freq",
+                 *SIZES):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.sequence_parallel and args.seq_length % args.tp:
+        raise SystemExit(f"--sequence-parallel splits the sequence over the TP ranks: "
+                         f"--seq-length {args.seq_length} must be divisible by --tp {args.tp}")
     if args.bf16 is None:
         args.bf16 = HAS_CUDA
     if args.deterministic is None:
@@ -181,11 +189,12 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.steps // 10)
+        args.warmup_steps = min(max(1, args.steps // 10), args.steps - 1)
+    if not 0 <= args.warmup_steps < args.steps:  # megatron's scheduler decays after the warm-up
+        raise SystemExit(f"--warmup-steps must be >= 0 and < --steps {args.steps}, "
+                         f"got {args.warmup_steps}")
     if args.sequence_parallel and args.tp == 1:
         raise SystemExit("--sequence-parallel needs --tp > 1")
-    if args.tp < 1 or args.dp < 1:
-        raise SystemExit("--tp and --dp must be >= 1")
     if HAS_CUDA and "LOCAL_RANK" not in os.environ and args.tp * args.dp > torch.cuda.device_count():
         raise SystemExit(f"--tp {args.tp} x --dp {args.dp} needs {args.tp * args.dp} GPUs, "
                          f"{torch.cuda.device_count()} visible")

@@ -22,8 +22,10 @@ megatron's GDN block spec passed through ``core.models.gdn_specs.use_fused_gdn``
 schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) are megatron's.
 
 ``--gdn-metrics-out FILE`` also writes, from the last rank, one JSON record per training
-iteration: the exact loss (sum of masked token losses / tokens, as megatron's "lm loss" but
-unrounded), the wall time since the previous iteration, and the memory allocated between the
+iteration: the exact loss of the iteration's whole batch (the sum of masked token losses over
+every micro-batch and data-parallel rank / their token count; megatron's "lm loss" log line
+rounds it, and megatron-core 0.19.2 with ``--log-interval 1`` prints the mean of iterations 1
+and 2 at iteration 2), the wall time since the previous iteration, and the memory allocated between the
 start and the end of each micro-batch's forward (what the forward keeps for backward plus the
 output), for examples/run_megatron_pairs.py.
 
@@ -240,7 +242,11 @@ def loss_func(loss_mask: torch.Tensor, record, output_tensor: torch.Tensor):
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     if record is not None:
-        record["loss_sum"], record["tokens"] = loss.detach().clone(), num_tokens
+        # Each data-parallel rank holds its share of the batch: the iteration's loss sums them
+        # all (in float64: no rounding beyond megatron's per-rank fp32 sums).
+        totals = torch.stack([loss.detach().double(), num_tokens.double()])
+        torch.distributed.all_reduce(totals, group=mpu.get_data_parallel_group())
+        record["loss_sum"], record["tokens"] = totals[0], totals[1]
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     return loss, num_tokens, report
 

@@ -134,7 +134,7 @@ def summary_table(runs: list[dict], setup: str) -> str:
     checks = runs[0].get("paired_checks") or []
     if checks:
         worst = max(checks, key=lambda c: abs(c["dloss"]))
-        ulps = max(abs(c["dloss"]) / ulp(c["loss_off"]) for c in checks)
+        ulps = abs(worst["dloss"]) / ulp(worst["loss_off"])  # of that difference
         lines += [
             "",
             f"same weights, same batch (steps {', '.join(str(c['step']) for c in checks)} of "
@@ -231,8 +231,13 @@ def plot(path: str, runs: list[dict], title: str) -> None:
 
 
 def write_outputs(out_dir: str, runs: list[dict], setup: str, title: str) -> str:
-    """Writes run_<label>.json, losses.csv, summary.txt and loss_curves.png; returns the table."""
+    """Writes run_<label>.json, losses.csv, summary.txt and loss_curves.png; returns the table.
+    The run files and the plot of an earlier run into ``out_dir`` are removed first, so the
+    folder holds this run's only."""
     os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):
+        if (name.startswith("run_") and name.endswith(".json")) or name == "loss_curves.png":
+            os.remove(os.path.join(out_dir, name))
     for r in runs:
         with open(os.path.join(out_dir, f"run_{_file_label(r['label'])}.json"), "w") as f:
             json.dump(r, f, indent=1)

@@ -185,3 +185,61 @@ def test_cpu_threads_default_and_validation(monkeypatch):
     assert example.resolve_defaults(parse([])).cpu_threads == 1
     with pytest.raises(SystemExit, match=r"--cpu-threads must be >= 1, got 0"):
         example.resolve_defaults(parse(["--cpu-threads", "0"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--dp", "0"], "--dp must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--num-micro-batches", "0"], "--num-micro-batches must be >= 1, got 0"),
+    (["--linear-attention-freq", "0"], "--linear-attention-freq must be >= 1, got 0"),
+    (["--hidden-size", "-1"], "--hidden-size must be >= 1, got -1"),
+    (["--steps", "3", "--warmup-steps", "3"], "--warmup-steps must be >= 0 and < --steps 3, got 3"),
+    (["--tp", "2", "--sequence-parallel", "--seq-length", "33"],
+     "--seq-length 33 must be divisible by --tp 2"),
+])
+def test_bad_arguments_stop_before_a_model_is_built(monkeypatch, argv, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    example = _load_example("pretrain_gdn")
+    monkeypatch.setattr(example, "HAS_CUDA", False)
+    with pytest.raises(SystemExit, match=message):
+        example.resolve_defaults(example.build_parser().parse_args(argv))
+
+
+def test_warmup_default_leaves_a_decay_step(monkeypatch):
+    """megatron's scheduler needs warm-up < decay steps: one step trains with no warm-up."""
+    example = _load_example("pretrain_gdn")
+    monkeypatch.setattr(example, "HAS_CUDA", False)
+    parse = example.build_parser().parse_args
+    assert example.resolve_defaults(parse(["--steps", "1"])).warmup_steps == 0
+    assert example.resolve_defaults(parse(["--steps", "2"])).warmup_steps == 1
+    assert example.resolve_defaults(parse(["--steps", "250"])).warmup_steps == 25
+
+
+def _report_run(label, losses, checks=()):
+    return {"label": label, "steps": len(losses), "losses": losses, "held_out_loss": losses[-1],
+            "step_times": [0.1] * len(losses), "tokens_per_step": 64, "grad_norms": [1.0] * len(losses),
+            "lrs": [1e-3] * len(losses), "tp_out_norm_max_diff": None, "gdn_layers": 1,
+            "fused_norm_calls": 0, "paired_checks": list(checks)}
+
+
+def test_report_states_the_ulps_of_the_largest_paired_difference(tmp_path):
+    """The ulp count printed next to the largest |dloss| of the paired checks is that
+    difference's, not the largest count of another check (a small loss has small ulps)."""
+    report = _load_example("pretrain_report")
+    small, large = 0.5, 4.0  # fp32 ulps 5.96e-08 and 4.77e-07
+    checks = [{"step": 1, "loss_off": small, "dloss": 2 * report.ulp(small), "grad_rel": 0.0,
+               "out_norm_grad_rel": 0.0},
+              {"step": 2, "loss_off": large, "dloss": report.ulp(large), "grad_rel": 0.0,
+               "out_norm_grad_rel": 0.0}]
+    table = report.summary_table([_report_run("off", [large, large], checks)], "setup")
+    assert f"{report.ulp(large):.2e} (1.0 ulp)" in table
+
+
+def test_report_leaves_only_this_runs_files(tmp_path):
+    report = _load_example("pretrain_report")
+    report.write_outputs(str(tmp_path), [_report_run("off", [2.0, 1.0]), _report_run("on", [2.0, 1.0])],
+                         "setup", "title")
+    report.write_outputs(str(tmp_path), [_report_run("on", [2.0, 1.5, 1.0])], "setup", "title")
+    assert sorted(p.name for p in tmp_path.glob("run_*.json")) == ["run_on.json"]
+    assert json.loads((tmp_path / "run_on.json").read_text())["steps"] == 3

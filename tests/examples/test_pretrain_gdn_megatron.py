@@ -161,3 +161,30 @@ def test_every_split_the_driver_asks_for_holds_a_sample(size):
     for weight in weights:
         if weight:
             assert tokens * weight / sum(weights) > 2 * (seq + 1), (size, weights, seq)
+
+
+def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
+    """At DP 2 each rank computes the loss of its half of the batch; the launcher's metrics sum
+    both halves: the same losses and token counts as one process with the whole batch."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    launcher = os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py")
+    args = list(driver.MODEL["cpu"])
+    args[args.index("--global-batch-size") + 1] = "4"  # micro-batch 2 x 2 micro-batches or ranks
+    seq = int(args[args.index("--seq-length") + 1])
+    runs = {}
+    for dp in (1, 2):
+        metrics = tmp_path / f"dp{dp}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(dp), launcher, *args, *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
+               "--deterministic-mode", "--train-iters", "2", "--lr-warmup-iters", "1",
+               "--fused-gated-norm", "--gdn-metrics-out", str(metrics)]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                                  "PYTHONPATH": ROOT},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[dp] = json.loads(metrics.read_text())["iterations"]
+    assert len(runs[1]) == len(runs[2]) == 2
+    for one, two in zip(runs[1], runs[2]):
+        assert one["tokens"] == two["tokens"] == 4 * seq
+        # the same batch: equal up to the fp32 order of the gradient's sum over the ranks
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"]), (runs[1], runs[2])

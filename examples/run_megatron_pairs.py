@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -105,10 +106,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 60 if HAS_CUDA else 4
-    if args.save_at is None:
-        args.save_at = max(1, args.steps // 2)
-    if not 1 <= args.save_at < args.steps:
-        p.error(f"--save-at {args.save_at} must be in [1, --steps {args.steps})")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.no_resume:
+        args.save_at = None  # nothing to resume: no checkpoints
+    else:
+        if args.save_at is None:
+            args.save_at = max(1, args.steps // 2)
+        if not 1 <= args.save_at < args.steps:
+            p.error(f"--save-at {args.save_at} must be in [1, --steps {args.steps}) "
+                    "(or pass --no-resume)")
     if args.ckpt_format == "auto":
         args.ckpt_format = "torch_dist" if importlib.util.find_spec("psutil") else "torch"
     elif args.ckpt_format == "torch_dist" and not importlib.util.find_spec("psutil"):
@@ -120,8 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif args.gdn_kernels == "fla" and fla_unavailable:
         p.error(f"--gdn-kernels fla: {fla_unavailable}")
     for tp in args.tp_sizes:
-        if tp < 1 or (HAS_CUDA and tp > torch.cuda.device_count()):
-            p.error(f"--tp-sizes {tp}: needs 1 <= TP <= {torch.cuda.device_count()} GPUs")
+        if tp < 1:
+            p.error(f"--tp-sizes must be >= 1, got {tp}")
+        if HAS_CUDA and tp > torch.cuda.device_count():
+            p.error(f"--tp-sizes {tp}: needs {tp} GPUs, {torch.cuda.device_count()} visible")
     return args
 
 
@@ -164,18 +173,34 @@ def launch(args, name: str, tp: int, fused: bool, extra: list[str]) -> dict:
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=args.timeout)
+        returncode = run_or_stop(cmd, env, f, args.timeout)
     seconds = time.time() - start
-    if proc.returncode != 0:
+    if returncode is None:
+        raise SystemExit(f"{name} ran past --timeout {args.timeout} s and was stopped with its "
+                         f"ranks; raise --timeout or see {log}")
+    if returncode != 0:
         with open(log) as f:
             tail = f.read()[-4000:]
-        raise SystemExit(f"{name} failed (exit {proc.returncode}, {seconds:.0f} s); {log}:\n{tail}")
+        raise SystemExit(f"{name} failed (exit {returncode}, {seconds:.0f} s); {log}:\n{tail}")
     with open(metrics) as f:
         result = json.load(f)
     result.update(name=name, wall_seconds=seconds, log=log)
     print(f"    {seconds:.0f} s, {len(result['iterations'])} iterations", flush=True)
     return result
+
+
+def run_or_stop(cmd: list, env: dict, log, timeout: float):
+    """Run ``cmd`` in a session of its own, output to ``log``; its exit code, or None when it ran
+    past ``timeout`` seconds: then the whole session is killed (torchrun and the ranks it
+    started, which would otherwise live on)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,14 +326,16 @@ def main(argv=None) -> dict:
 
     args.data_prefix = build_indexed_dataset(os.path.join(args.out, "data", "stdlib_docstrings"))
     ckpt = os.path.join(args.out, "checkpoints")
-    train = ["--train-iters", str(args.steps), "--lr-warmup-iters", str(max(1, args.steps // 10))]
-    save = ["--save-interval", str(args.save_at)]
+    # megatron's scheduler decays after the warm-up: at least one iteration is left for it
+    warmup = min(max(1, args.steps // 10), args.steps - 1)
+    train = ["--train-iters", str(args.steps), "--lr-warmup-iters", str(warmup)]
     runs = {}
     for tp in args.tp_sizes:
         for fused in (False, True):
             name = f"tp{tp}_{'on' if fused else 'off'}"
-            runs[name] = launch(args, name, tp, fused,
-                                train + save + ["--save", os.path.join(ckpt, name)])
+            save = [] if args.no_resume else ["--save-interval", str(args.save_at),
+                                              "--save", os.path.join(ckpt, name)]
+            runs[name] = launch(args, name, tp, fused, train + save)
     resumes = {}
     if not args.no_resume:
         tp = args.tp_sizes[0]

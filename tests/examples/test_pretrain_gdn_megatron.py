@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy
 import pytest
@@ -102,6 +103,50 @@ def test_gdn_kernels_choice_without_fla_backward(monkeypatch):
         driver.parse_args(["--gdn-kernels", "fla"])
     monkeypatch.setattr(driver, "fla_backward_unavailable", lambda: "")
     assert driver.parse_args([]).gdn_kernels == "fla"
+
+
+def test_driver_arguments(monkeypatch, capsys):
+    driver = _module(DRIVER, "run_megatron_pairs")
+    monkeypatch.setattr(driver, "fla_backward_unavailable", lambda: "no GPU")
+    monkeypatch.setattr(driver, "HAS_CUDA", False)
+    args = driver.parse_args(["--steps", "1", "--no-resume"])  # no checkpoint to place
+    assert args.steps == 1 and args.save_at is None
+    assert driver.parse_args(["--steps", "4"]).save_at == 2
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"),
+                          (["--steps", "1"], "--save-at 1 must be in [1, --steps 1) (or pass --no-resume)"),
+                          (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            driver.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_a_launch_past_its_timeout_is_stopped_with_everything_it_started(tmp_path):
+    """As torchrun's ranks: a child the launched process started dies with it."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        assert driver.run_or_stop([sys.executable, "-c", script], dict(os.environ), log, 3) is None
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered at once; reaping by init may take a moment
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":  # a zombie: dead, not yet reaped
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {child} still running")
+    with open(tmp_path / "log", "w") as log:
+        assert driver.run_or_stop([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
+                                  log, 30) == 3
 
 
 @pytest.mark.interpreter_backward

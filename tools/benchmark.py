@@ -230,7 +230,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
         with open(args.report) as f:
-            bench_report.write_report(json.load(f), args.out)
+            results = json.load(f)
+        if not isinstance(results, dict) or "timings" not in results:
+            keys = sorted(results) if isinstance(results, dict) else type(results).__name__
+            raise SystemExit(f"--report {args.report}: not a benchmark.py result (one has "
+                             f"'timings'; this one: {keys})")
+        bench_report.write_report(results, args.out)
         return
     require_cuda("benchmark.py")
     shapes, variants = (QUICK_SHAPES, []) if args.quick else (SHAPES, VARIANTS)

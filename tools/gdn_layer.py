@@ -478,7 +478,8 @@ def breakdown(setup: LayerSetup, seq: int, batch: int, iters: int) -> dict:
 
 
 def summary_lines(results: dict) -> list[str]:
-    lines = [f"megatron GatedDeltaNet, bf16, FLA kernels ({results['device']}, "
+    core = "megatron's torch chunk rule" if results["device"] == "cpu" else "FLA kernels"
+    lines = [f"megatron GatedDeltaNet, bf16, {core} ({results['device']}, "
              f"jit_fuser={results['jit_fuser']})"]
     p = results.get("parity")
     if p:
@@ -586,7 +587,7 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--iters", type=int, default=20,
                         help="timed steps per measurement (perf: per flag state, the two "
-                             "alternating; default: %(default)s)")
+                             "alternating; default: %(default)s; --cpu: 2)")
     parser.add_argument("--graph-repeats", type=int, default=GRAPH_REPEATS,
                         help="graphs: layers built and captured per flag state, in alternating order")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
@@ -600,6 +601,11 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
     args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and (args.cpu or "LOCAL_RANK" not in os.environ):
+        parser.error(f"--tp {args.tp} runs on {args.tp} GPUs over NCCL, one process each: start "
+                     f"it with torchrun --nproc-per-node {args.tp} (not with --cpu)")
     if args.tp > 1:
         from tools.bench_common import environment, write_json
 
@@ -614,6 +620,14 @@ def main(argv=None) -> None:
         parser.error(f"--graph-repeats {args.graph_repeats}: must be >= 1")
     if set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    requested_shapes = ()
+    if args.shapes:
+        try:
+            requested_shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes)
+        except ValueError:
+            requested_shapes = ((),)
+        if any(len(s) != 2 or min(s) < 1 for s in requested_shapes):
+            parser.error(f"--shapes {' '.join(args.shapes)}: each must be SEQxBATCH, e.g. 4096x1")
     if args.cpu:
         from core.testing.cpu import install_cpu_shims
 
@@ -627,12 +641,7 @@ def main(argv=None) -> None:
 
             mjit.disable_jit_fuser()
         setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters
-    perf_shapes = shapes
-    if args.shapes:
-        try:
-            perf_shapes = tuple(tuple(int(n) for n in shape.split("x", 1)) for shape in args.shapes)
-        except ValueError:
-            parser.error(f"--shapes {args.shapes}: each must be SEQxBATCH, e.g. 4096x1")
+    perf_shapes = requested_shapes or shapes
     heads = args.value_heads or [setup.sizes["num_value_heads"]]
     try:
         per_rank = {h: setup.with_value_heads(h) for h in heads}

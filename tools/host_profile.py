@@ -116,6 +116,9 @@ def main(argv=None) -> dict:
                         help="also print a cProfile listing (top 25 by own time) of CALLS eager "
                              "forward + backward calls")
     args = parser.parse_args(argv)
+    for name in ("rounds", "calls"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     stub_launches()
     result = measure(args.rounds, args.calls)
     for name, value in result.items():

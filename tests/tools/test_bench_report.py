@@ -141,3 +141,10 @@ def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
     assert results["host_cost"] == {"validation_us": 1.0}
     assert len(results["vs_peers"]) == 3 and "vs_plain_pct" in results["vs_peers"][1]
     bench_report.write_report(results, str(tmp_path))
+
+
+def test_report_names_a_file_of_another_kind(tmp_path):
+    other = tmp_path / "versions.json"
+    other.write_text(json.dumps({"runs": {"3.6.0": {}}, "command": "..."}))
+    with pytest.raises(SystemExit, match=r"not a benchmark.py result .*\['command', 'runs'\]"):
+        benchmark.main(["--report", str(other), "--out", str(tmp_path / "out")])

@@ -117,3 +117,16 @@ def test_graphed_pair_alternates_the_flags_and_takes_medians(monkeypatch):
     assert pair[False]["fwd_bwd_ms_min"] == 9.0 and pair[True]["fwd_bwd_ms_min"] == 7.0
     assert pair[True]["speedup_repeats"] == [10 / 8, 12 / 9, 11 / 10]
     assert pair[True]["graphs_captured"] and pair[True]["python_norm_calls_per_step"] == 0.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cpu", "--shapes", "64"], "--shapes 64: each must be SEQxBATCH"),
+    (["--cpu", "--shapes", "64x0"], "--shapes 64x0: each must be SEQxBATCH"),
+    (["--cpu", "--tp", "2"], "start it with torchrun --nproc-per-node 2"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+])
+def test_bad_arguments_stop_before_any_setup(monkeypatch, capsys, argv, message):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit):
+        gdn_layer.main(argv)
+    assert message in capsys.readouterr().err

@@ -33,3 +33,11 @@ def test_host_profile_reports_own_work_from_its_timings():
                  + values["ref_same_signature_backward_us"] - trivial)
     assert values["same_signature_units"] == pytest.approx(
         signature / values["ref_torch_add_us"], rel=0.01, abs=0.02)
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--calls"])
+def test_counts_must_be_positive(flag):
+    proc = subprocess.run([sys.executable, "tools/host_profile.py", flag, "0"], cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and f"{flag} must be >= 1, got 0" in proc.stderr

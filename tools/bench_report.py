@@ -84,7 +84,7 @@ def peer_comparison_lines(rows: list[dict]) -> list[str]:
                          f"(floor allows {c['max_possible_speedup']:.2f}x)")
         if "vs_plain_pct" in row:
             parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(**row["vs_plain_pct"]))
-        lines.append(f"  {row['label']:28s} " + " | ".join(parts))
+        lines.append(f"  {row['label']:28s} " + (" | ".join(parts) or "no peer timed"))
     return lines
 
 

@@ -148,3 +148,11 @@ def test_report_names_a_file_of_another_kind(tmp_path):
     other.write_text(json.dumps({"runs": {"3.6.0": {}}, "command": "..."}))
     with pytest.raises(SystemExit, match=r"not a benchmark.py result .*\['command', 'runs'\]"):
         benchmark.main(["--report", str(other), "--out", str(tmp_path / "out")])
+
+
+def test_a_run_of_ours_alone_says_no_peer_was_timed(results):
+    for timing in results["timings"]:
+        timing["impls"] = {"ours": timing["impls"]["ours"]}
+    plain, strided = bench_report.peer_comparison_lines(bench_report.peer_comparison(results))[1:]
+    assert plain == f"  {results['timings'][0]['label']:28s} no peer timed"
+    assert strided.endswith("vs plain layout fwd +10.0 % bwd +10.0 %")  # ours against ours

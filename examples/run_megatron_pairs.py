@@ -190,9 +190,9 @@ def launch(args, name: str, tp: int, fused: bool, extra: list[str]) -> dict:
 
 
 def run_or_stop(cmd: list, env: dict, log, timeout: float):
-    """Run ``cmd`` in a session of its own, output to ``log``; its exit code, or None when it ran
-    past ``timeout`` seconds: then the whole session is killed (torchrun and the ranks it
-    started, which would otherwise live on)."""
+    """Run ``cmd`` as the leader of a new process group, output to ``log``; its exit code, or
+    None when it ran past ``timeout`` seconds: then the whole process group is killed (torchrun
+    and the ranks it started, which would otherwise live on)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:

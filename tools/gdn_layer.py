@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -620,14 +621,11 @@ def main(argv=None) -> None:
         parser.error(f"--graph-repeats {args.graph_repeats}: must be >= 1")
     if set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
-    requested_shapes = ()
-    if args.shapes:
-        try:
-            requested_shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes)
-        except ValueError:
-            requested_shapes = ((),)
-        if any(len(s) != 2 or min(s) < 1 for s in requested_shapes):
-            parser.error(f"--shapes {' '.join(args.shapes)}: each must be SEQxBATCH, e.g. 4096x1")
+    shape_texts = args.shapes or []
+    requested_shapes = tuple(tuple(int(n) for n in text.split("x")) for text in shape_texts
+                             if re.fullmatch(r"\d+x\d+", text))
+    if len(requested_shapes) < len(shape_texts) or any(min(s) < 1 for s in requested_shapes):
+        parser.error(f"--shapes {' '.join(shape_texts)}: each must be SEQxBATCH, e.g. 4096x1")
     if args.cpu:
         from core.testing.cpu import install_cpu_shims
 

@@ -70,24 +70,30 @@ def unwrap_jit_gdn_methods() -> dict:
 
 
 @contextlib.contextmanager
-def counting_fused_norm_calls():
-    """While open, every call of GatedDeltaNet's fused output norm (the kernel path of
-    ``_apply_gated_norm``; the unfused paths never reach it) appends to the yielded list: proof
-    that a run or pass with the flag on used the fusion."""
-    import core.ssm.gated_delta_net as gdn
-
+def counting_calls(owner, name: str):
+    """While open, every call of ``owner.<name>`` (a module's function or a class's method)
+    appends to the yielded list; the original is put back on exit."""
     calls = []
-    original = gdn.apply_validated_gated_norm
+    original = getattr(owner, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    gdn.apply_validated_gated_norm = counting
+    setattr(owner, name, counting)
     try:
         yield calls
     finally:
-        gdn.apply_validated_gated_norm = original
+        setattr(owner, name, original)
+
+
+def counting_fused_norm_calls():
+    """``counting_calls`` of GatedDeltaNet's fused output norm (the kernel path of
+    ``_apply_gated_norm``; the unfused paths never reach it): proof that a run or pass with the
+    flag on used the fusion."""
+    import core.ssm.gated_delta_net as gdn
+
+    return counting_calls(gdn, "apply_validated_gated_norm")
 
 
 @contextlib.contextmanager

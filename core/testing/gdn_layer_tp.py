@@ -20,7 +20,6 @@ Used by tests/ssm/test_gdn_tp_cuda_graphs.py.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import sys
 
@@ -91,24 +90,13 @@ def reset_cuda_graphs() -> None:
     CudaGraphManager.global_mempool = None
 
 
-@contextlib.contextmanager
 def counting_norm_calls():
-    """While open, every run of GatedDeltaNet's Python norm code (``_apply_gated_norm``) appends
-    to the yielded list: a step replayed from megatron's CUDA graphs appends nothing."""
+    """``counting_calls`` of GatedDeltaNet's Python norm code (``_apply_gated_norm``): a step
+    replayed from megatron's CUDA graphs makes none."""
     from core.ssm.gated_delta_net import GatedDeltaNet
+    from core.testing.gdn import counting_calls
 
-    calls = []
-    original = GatedDeltaNet._apply_gated_norm
-
-    def counting(self, *args):
-        calls.append(1)
-        return original(self, *args)
-
-    GatedDeltaNet._apply_gated_norm = counting
-    try:
-        yield calls
-    finally:
-        GatedDeltaNet._apply_gated_norm = original
+    return counting_calls(GatedDeltaNet, "_apply_gated_norm")
 
 
 def _cuda_graph_step(state: dict, rank: int, tp_size: int, x, dy, device) -> dict:

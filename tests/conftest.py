@@ -1,4 +1,6 @@
-"""Without a GPU, every Triton kernel runs through the interpreter: set it before triton loads.
+"""Without a GPU, every Triton kernel runs through the interpreter (set before triton loads) and
+megatron runs on core.testing.cpu's shims, layer and training level, with the torch stand-ins
+of FLA's GDN kernels: installed here for the whole run. Where a GPU is visible nothing is patched.
 Tests marked ``gpu`` need a CUDA GPU; without one they are collected and skipped. Tests marked
 ``cpu_shims`` build megatron's layers on the CPU shims of core.testing in the test process, and
 tests marked ``interpreter`` run kernels on CPU tensors there; where a GPU is visible both are
@@ -14,6 +16,12 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Installed once, before any test module is imported, so that a test sees the same
+    # megatron whichever other tests were collected (the shims patch modules process-wide).
+    from core.testing.cpu import install_cpu_fla_stand_ins, install_cpu_shims
+
+    install_cpu_shims(training=True)
+    install_cpu_fla_stand_ins()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,11 +6,17 @@ by the CPU tests and the GPU checks of the kernels, the inference entry and the 
   fast exp, may flip a rounding); fp32 outputs within 2e-6.
 - ``assert_no_less_accurate``: gradients against float64 (``float64_grads``), the fused error
   at most the unfused one's plus 1 % (dW is summed in another, fixed order).
+- ``fp32_loss_tolerance``: how far the fp32 losses of a model run flag on and flag off may
+  be apart after a few steps.
+- ``RecordOps``: the torch ops a block runs (a host path that should run none, or no copy).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
 from tests.gated_norm_inputs import EPS
@@ -21,6 +27,15 @@ from tests.gated_norm_inputs import EPS
 # fp32-weight cases of tests/fusions/test_fused_gated_norm.py). Rounding its terms to bf16 /
 # fp16 instead would cost ~1e3-1e4 u.
 FP32_SUM_SLACK = 4 * 2.0**-24
+
+# fp32 models: the fused norm differs from megatron's unfused one only in the order of the fp32
+# sum of squares, so over a few steps the losses agree to a few fp32 ulps (measured: 0 or 1).
+LOSS_ULPS_FP32 = 8
+
+
+def fp32_loss_tolerance(loss: float) -> float:
+    """LOSS_ULPS_FP32 fp32 ulps at |loss| (a normal fp32 value)."""
+    return LOSS_ULPS_FP32 * 2.0 ** (math.frexp(abs(loss))[1] - 24)
 
 
 def bitwise_share(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,3 +79,16 @@ def assert_no_less_accurate(fused, unfused, exact, names=("dx", "dgate", "dweigh
         err_fused, err_unfused = relative_error(f, e), relative_error(u, e)
         slack = FP32_SUM_SLACK if f.dtype == torch.float32 else 1e-10
         assert err_fused <= 1.01 * err_unfused + slack, (name, err_fused, err_unfused)
+
+
+class RecordOps(TorchDispatchMode):
+    """``with RecordOps() as rec:`` records in ``rec.ops`` the name of every torch op dispatched
+    inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

@@ -17,7 +17,10 @@ is all ``JITFunction.run`` specialises on, so equal keys mean the same compiled 
 token count (a ``do_not_specialize`` argument) keeps the key, so packed sequences of varying
 length take the direct path in every step. A new key goes through ``JITFunction.run`` once, which
 compiles only if Triton's own key is new. Under the Triton interpreter there is no compiled
-kernel: every call takes the normal path.
+kernel: every call takes the normal path. Triton settings that ``JITFunction.run`` reads on each
+call (``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode``) are not in the key:
+the kernel compiled at a key's first launch serves it from then on, so set them before the
+first launch (``TRITON_DEBUG=1`` in the environment), or turn the direct path off (below).
 
 The direct call is Triton's private launcher ABI (the call ``JITFunction.run`` ends with), as
 written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6, 3.7 and 3.8). Each launcher

@@ -493,8 +493,10 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
     pdl = cfg.pdl if pdl is None else pdl
     x_dtype, w_dtype = x.dtype, weight.dtype
+    # float(): the kernel takes eps as fp32; an int would specialise another variant (1, or
+    # one past Triton's 64-bit binding).
     scalars = gated_norm_fwd_scalars(rows, heads, dim, seq,
-                                     (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), eps,
+                                     (_layout(x, bt), _layout(gate, bt), _layout(out, bt)), float(eps),
                                      zero_centered, activation, norm_dtype(x_dtype, w_dtype), True,
                                      store_rstd, bt, cfg.block_d, pdl)
     dtypes = (x_dtype, gate.dtype, w_dtype, out.dtype, torch.float32 if store_rstd else None)
@@ -535,7 +537,7 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
               torch.float32)
     return device, keep_checked(_launch_plans, key, BackwardPlan(
         programs, launch_backward.prepare(dtypes, scalars, warps or cfg.warps),
-        *_dw_sum_launch(programs, dim, w_dtype, cfg, weight_grad_scale)), MAX_PLANS)
+        *_dw_sum_launch(programs, dim, w_dtype, cfg, float(weight_grad_scale))), MAX_PLANS)
 
 
 def forward_impl(
@@ -731,7 +733,9 @@ class _FusedGatedNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dbuffer):
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise
+        # create_graph=True: once_differentiable makes a second derivative through
+        # ``.backward()`` raise; ``torch.autograd.grad`` of it reports x as unused instead.
+        if torch.is_grad_enabled():
             return _once_differentiable_gradients(ctx, dbuffer)
         # The engine runs a backward with grad mode off unless create_graph is set: no need for
         # once_differentiable's no_grad block (~1 us of host time) on that path.
@@ -811,7 +815,7 @@ def fused_gated_norm(
             unit last-dim stride.
         gate: same shape and dtype as x; any strides with a unit last-dim stride (a slice of a
             packed projection is read in place).
-        weight: (dim,) norm weight shared by all heads (bf16, fp16 or fp32).
+        weight: (dim,) contiguous norm weight shared by all heads, fp32 or x's dtype.
         eps: added to mean(x^2); a finite Python float (or int) > 0.
         zero_centered: a bool; True: w_eff = 1 + weight (Megatron's zero-centred gamma), False:
             w_eff = weight.
@@ -824,7 +828,8 @@ def fused_gated_norm(
             float (or int) > 0, applied in fp32 before dW's single rounding (exact for powers
             of two).
     Returns:
-        [B, S, H, D] tensor in x's dtype; differentiable once w.r.t. x, gate and weight.
+        [B, S, H, D] tensor in x's dtype; differentiable once w.r.t. x, gate and weight (no
+        second derivative: ``.backward()`` through the gradients raises).
     Raises:
         TypeError for an argument of the wrong type (x, gate or weight not a tensor, an
         unsupported dtype, a non-bool ``zero_centered``, a non-number ``eps`` or

@@ -60,7 +60,7 @@ def fused_gdn_gated_rms_norm(
 
     Raises TypeError for an argument of the wrong type and ValueError for a value that breaks a
     rule, before any launch: the same rules, types and messages as ``fused_gated_norm`` where the
-    two share a rule (fused_gated_norm.py, Validation).
+    two share a rule (gated_norm_validation.py).
 
     No autograd: call it under ``torch.no_grad()`` / ``torch.inference_mode()`` (as vLLM does);
     with grad mode on, inputs that require grad are rejected rather than silently detached. Use
@@ -98,7 +98,7 @@ def fused_gdn_gated_rms_norm(
 
 def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation) -> str:
     """Raise TypeError/ValueError naming the argument and the rule; return the kernel's
-    activation name. Rules shared with the training entry come from fused_gated_norm.py; the
+    activation name. Rules shared with the training entry come from gated_norm_validation.py; the
     device rule comes before the overlap rules, which read addresses."""
     check_tensors(_NAME, (("x", x), ("z", z), ("weight", weight), ("out", out)))
     for name, v in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):

@@ -15,8 +15,9 @@ import torch
 
 # Largest head dim the single-pass kernels take: a row lives in registers.
 MAX_HEAD_DIM = 8192
-# Row indices are int32 in the kernels (element offsets are int64); the margin keeps the indices
-# of a last, partial block of up to 2**16 rows below 2**31.
+# Row indices are int32 in the kernels (element offsets are int64); the margin keeps the
+# backward's loop bound, cdiv(rows, bt) computed in int32 as (rows + bt - 1) // bt, below 2**31
+# for blocks of up to 2**16 rows (gated_norm_validation.MAX_OVERRIDE).
 MAX_ROWS = 2**31 - 2**16
 
 

@@ -4,7 +4,8 @@
 ``unfused_gated_norm`` is what Megatron's unfused GDN path computes (a TE-style RMSNorm with one
 rounding, then the fp32 gate product, then a second rounding): the training kernels must equal
 it bit for bit. ``one_rounding_gated_norm`` is vLLM's / FLA's semantics (fp32 throughout, one
-rounding at the end), used by the inference entry point. Called with float64 tensors, both are
+rounding at the end), used by the inference entry point (``inference_gated_norm`` on its
+[tokens, heads * head_dim] tensors). Called with float64 tensors, both are
 the exact references for error measurements. ``ulp_distance`` is the one ulp measure.
 """
 
@@ -51,6 +52,16 @@ def one_rounding_gated_norm(x, gate, weight, eps, norm_before_gate=True, activat
     return y.to(x.dtype)
 
 
+def inference_gated_norm(x, z, weight, eps, head_dim, norm_before_gate=True, activation="swish"):
+    """The inference entry's contract (``fused_gdn_gated_rms_norm``): ``one_rounding_gated_norm``
+    over each ``head_dim`` group of [tokens, heads * head_dim] tensors; vLLM's "swish" is silu."""
+    def split(t):
+        return t.unflatten(-1, (-1, head_dim))
+
+    act = "sigmoid" if activation == "sigmoid" else "silu"
+    return one_rounding_gated_norm(split(x), split(z), weight, eps, norm_before_gate, act).flatten(-2)
+
+
 # Integer type of the same width, and a wider one for the differences.
 _BITS = {torch.bfloat16: (torch.int16, torch.int32), torch.float16: (torch.int16, torch.int32),
          torch.float32: (torch.int32, torch.int64)}
@@ -60,6 +71,9 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise distance in units in the last place between two tensors of one dtype (bf16,
     fp16 or fp32): the bit patterns mapped to monotone integers, so a distance across zero
     counts the values in between and +0 / -0 are 0 apart."""
+    if a.dtype not in _BITS or b.dtype != a.dtype:
+        raise TypeError(f"ulp_distance: a and b must have one dtype, bf16, fp16 or fp32; got "
+                        f"{a.dtype} and {b.dtype}")
     bits, wide = _BITS[a.dtype]
     lowest = torch.iinfo(bits).min
 

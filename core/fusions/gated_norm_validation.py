@@ -37,9 +37,9 @@ def current_device() -> Optional[int]:
 # Checked signatures. A key holds everything a set of rules reads (each tensor's type, shape,
 # strides, dtype, device and negative bit, the current device, the options with their types
 # where True == 1 would confuse a dict), so a key kept after the rules passed means they pass
-# for exactly these values. Building one fails for an argument that is not a dense tensor, and
-# where no CUDA device can be asked which one is current (no driver, a torch without CUDA): the
-# rules then run and name what is wrong.
+# for exactly these values. Building one fails for an argument that is not a tensor or has no
+# strides (sparse CSR), and where no CUDA device can be asked which one is current (no driver,
+# a torch without CUDA): the rules then run and name what is wrong.
 KEY_ERRORS = (AttributeError, TypeError, RuntimeError, AssertionError)
 
 
@@ -47,6 +47,13 @@ def tensor_signature(t: torch.Tensor) -> tuple:
     """What the rules read of one tensor, as part of a checked signature: its type, shape,
     strides, dtype, device and negative bit."""
     return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg()
+
+
+if INTERPRETED:
+    def tensor_signature(t: torch.Tensor) -> tuple:  # noqa: F811
+        """The layout too: an mkldnn tensor (CPU only, so only under the interpreter) reports a
+        dense tensor's strides. On a GPU no other layout gives strides that pass the rules."""
+        return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.layout
 
 
 def keep_checked(table: dict, key: Optional[tuple], value, bound: int):
@@ -124,10 +131,14 @@ def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = ()) ->
 
 
 def check_tensors(entry: str, named: tuple) -> None:
-    """Each ``(name, value)`` is a torch.Tensor (TypeError)."""
+    """Each ``(name, value)`` is a dense (strided) torch.Tensor (TypeError): the kernels read
+    memory through strides."""
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
+                            f"{t.layout}")
 
 
 def check_bool(entry: str, name: str, value) -> None:
@@ -252,9 +263,9 @@ def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
         )
 
 
-# A program's rows (a Triton block holds at most 2**20 elements) and warps (a CUDA block at most
-# 1024 threads): larger overrides would fail inside Triton's compiler or the driver.
-MAX_OVERRIDE = {"bt": 2**20, "warps": 32}
+# A program's rows (the backward's int32 loop bound takes blocks of up to 2**16 rows: MAX_ROWS)
+# and warps (a CUDA block holds at most 1024 threads; more would fail inside the driver).
+MAX_OVERRIDE = {"bt": 2**16, "warps": 32}
 
 
 def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
@@ -280,9 +291,6 @@ def check_last_dim_stride(entry: str, named: tuple) -> list:
     for name, t in named:
         stride = t.stride()
         if stride[-1] != 1:
-            if t.layout != torch.strided:  # a sparse tensor reports zero strides
-                raise TypeError(f"{entry}: {name} must be a dense (strided) tensor, got layout "
-                                f"{t.layout}")
             raise ValueError(f"{entry}: {name} must have last-dim stride 1, got strides {stride}")
         strides.append(stride)
     return strides
@@ -340,6 +348,7 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     if heads is None:  # a module without our attribute: value heads split by TP, then CP
         heads = (config.linear_num_value_heads // getattr(module, "tp_size", 1)
                  // getattr(module, "cp_size", 1))
+    check_tensors(FUSED_GATED_NORM, (("core_attn_out", x), ("gate", gate)))
     for name, t in (("core_attn_out", x), ("gate", gate)):
         if t.dim() != 4 or tuple(t.shape[-2:]) != (heads, head_dim):
             raise ValueError(
@@ -423,8 +432,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> str:
     (a_lo, a_hi), (b_lo, b_hi) = byte_span(a), byte_span(b)
     if a_hi <= b_lo or b_hi <= a_lo:
         return "none"
-    if a_lo == b_lo and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype:
-        return "same"
+    if a_lo == b_lo and a.shape == b.shape and a.dtype == b.dtype and all(
+            sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1):
+        return "same"  # the stride of a size-1 dim addresses nothing
     if _interleaved_rows_disjoint(_token_rows(a), _token_rows(b)):
         return "none"
     return "partial"

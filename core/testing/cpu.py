@@ -437,8 +437,10 @@ def init_cpu_model_parallel(
     with ``tensor_model_parallel_size=tp_size``, then seed megatron's RNG tracker.
 
     Single process: ``init_cpu_model_parallel()`` (a temporary rendezvous file is made).
-    Several processes: give every rank the same ``init_file`` and its ``rank``."""
-    install_cpu_shims()
+    Several processes: give every rank the same ``init_file`` and its ``rank``. Where CUDA is
+    available nothing is patched (megatron's RNG tracker seeds the CUDA generator)."""
+    if not torch.cuda.is_available():
+        install_cpu_shims()  # the tracker's CUDA RNG state on the CPU generator
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import core.fusions.fused_gated_norm as kernel_module
 import core.fusions.gated_norm_validation as validation
@@ -19,6 +18,7 @@ import core.fusions.gated_norm_launch as launch_rules
 from core.fusions.gated_norm_launch import forward_launch
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
 from tests.gated_norm_checks import (
+    RecordOps,
     assert_bitwise_or_within_ulps,
     assert_no_less_accurate,
     float64_grads,
@@ -161,16 +161,6 @@ def test_backward_takes_a_gradient_whose_last_dim_is_strided(dtype):
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=1e-2, atol=1e-2)
 
 
-class _RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 class _LaunchSpy:
     """Stands in for a Triton kernel: records the tensors a launch receives and runs the real
     kernel outside the op recorder (the interpreter copies to and from its own buffers)."""
@@ -198,7 +188,7 @@ def test_no_input_is_copied(monkeypatch):
     x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
     dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         out = fused_gated_norm(*leaves, EPS, out_layout="sbhd")
         torch.autograd.grad(out, leaves, dy)
 
@@ -377,6 +367,19 @@ def test_integer_eps_reaches_the_kernel_as_a_float(monkeypatch):
     assert [type(eps) for eps in seen] == [float, float]
 
 
+def test_integer_eps_and_scale_reach_the_impls_kernels_as_floats():
+    """forward_impl and backward_impl take an int eps / weight_grad_scale as the float it
+    equals, also one past Triton's 64-bit integer binding, with no error after a launch."""
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
+    big = 2**64
+    out, rstd = kernel_module.forward_impl(x, gate, weight, big)
+    want_out, want_rstd = kernel_module.forward_impl(x, gate, weight, float(big))
+    assert torch.equal(out, want_out) and torch.equal(rstd, want_rstd)
+    got = kernel_module.backward_impl(x, gate, weight, rstd, x, weight_grad_scale=big)
+    want = kernel_module.backward_impl(x, gate, weight, rstd, x, weight_grad_scale=float(big))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_double_backward_raises():
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.float32)
     x.requires_grad_()
@@ -465,6 +468,8 @@ def _bad_inputs():
                                  "weight is a negative view"),
         "sparse_gate": ((x, gate.to_sparse(), weight, EPS), TypeError,
                         "gate must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
+        "sparse_weight": ((x, gate, weight.to_sparse(), EPS), TypeError,
+                          "weight must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
         # zero_centered selects a compiled variant: only a bool, never a truth value.
         **{f"zero_centered_{name}": ((x, gate, weight, EPS, value), TypeError,
                                      "zero_centered must be a bool")
@@ -479,12 +484,29 @@ def _bad_inputs():
     }
 
 
-@pytest.mark.parametrize("case", list(_bad_inputs()))
-def test_bad_input_raises_before_launch(case, monkeypatch):
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a kernel was launched")
+class KernelLaunched(AssertionError):
+    pass
 
-    monkeypatch.setattr(kernel_module, "forward_impl", no_launch)
+
+@pytest.fixture
+def no_launches(monkeypatch):
+    """Every kernel launch of the module raises KernelLaunched: what the entry launches
+    through (the launchers' ``launch``), whichever path leads there."""
+    def no_launch(*args, **kwargs):
+        raise KernelLaunched("a kernel was launched")
+
+    for launcher in (kernel_module.launch_forward, kernel_module.launch_backward):
+        monkeypatch.setattr(launcher, "launch", no_launch)
+
+
+def test_no_launches_stops_a_good_call(no_launches):
+    """The spy below is on the path fused_gated_norm takes: good inputs reach it."""
+    with pytest.raises(KernelLaunched):
+        fused_gated_norm(*make_inputs((1, 2, 2, 64), torch.bfloat16), EPS)
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+def test_bad_input_raises_before_launch(case, no_launches):
     args, error, message = _bad_inputs()[case]
     kwargs = args[-1] if isinstance(args[-1], dict) else {}
     with pytest.raises(error, match=message):
@@ -503,11 +525,10 @@ def test_impls_take_only_a_bool_zero_centered(value):
         kernel_module.backward_impl(x, gate, weight, rstd, x, value)
 
 
-def test_cpu_tensors_need_the_interpreter(monkeypatch):
+def test_cpu_tensors_need_the_interpreter(monkeypatch, no_launches):
     """Compiled Triton kernels read device memory: CPU tensors are refused before any launch
     (Triton itself would fail inside its launcher, or read host addresses on a cached launch)."""
     monkeypatch.setattr(validation, "INTERPRETED", False)
-    monkeypatch.setattr(kernel_module, "forward_impl", None)  # not reached
     x, gate, weight = (t.cpu() for t in make_inputs((1, 2, 2, 64), torch.bfloat16))
     with pytest.raises(ValueError, match="x must be a CUDA tensor .*TRITON_INTERPRET=1.*got device cpu"):
         fused_gated_norm(x, gate, weight, EPS)
@@ -648,11 +669,12 @@ def _impl_calls():
         "weight_shape": (lambda: fwd(x, gate, weight[:32], EPS), ValueError,
                          r"forward_impl: weight must have shape \(64,\)"),
         "bt": (lambda: fwd(x, gate, weight, EPS, bt=3), ValueError,
-               "forward_impl: bt must be a power of two <= 1048576, got 3"),
+               "forward_impl: bt must be a power of two <= 65536, got 3"),
         "warps_64": (lambda: fwd(x, gate, weight, EPS, warps=64), ValueError,
                      "forward_impl: warps must be a power of two <= 32, got 64"),
-        "bt_2_21": (lambda: bwd(x, gate, weight, rstd, x, bt=2**21), ValueError,
-                    "backward_impl: bt must be a power of two <= 1048576, got 2097152"),
+        # The backward's int32 loop bound, cdiv(rows, bt), holds for blocks of up to 2**16 rows.
+        "bt_2_17": (lambda: bwd(x, gate, weight, rstd, x, bt=2**17), ValueError,
+                    "backward_impl: bt must be a power of two <= 65536, got 131072"),
         "warps": (lambda: fwd(x, gate, weight, EPS, warps="4"), TypeError,
                   "forward_impl: warps must be None or an int"),
         "pdl": (lambda: fwd(x, gate, weight, EPS, pdl="yes"), TypeError,

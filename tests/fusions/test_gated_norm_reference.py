@@ -111,9 +111,11 @@ def test_nan_is_ordered_by_its_bits_beyond_infinity(dtype):
             assert ulp_distance(n, finite).item() == ulp_distance(finite, sign * inf).item() + d_inf
 
 
-def test_other_dtypes_are_refused():
-    with pytest.raises(KeyError):
-        ulp_distance(torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)],
+                         ids=["float64", "mixed"])
+def test_other_dtypes_are_refused(dtypes):
+    with pytest.raises(TypeError, match="ulp_distance: a and b must have one dtype, bf16, fp16 or fp32"):
+        ulp_distance(torch.zeros(2, dtype=dtypes[0]), torch.zeros(2, dtype=dtypes[1]))
 
 
 # ------------------------------------------------------------------------------ unfused reference

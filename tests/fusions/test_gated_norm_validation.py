@@ -160,6 +160,8 @@ def test_overlap_of_views():
     assert validation.overlap(a.unflatten(1, (2, 8)), buf[1:, 32:40].unflatten(1, (1, 8))) == "none"
     assert validation.overlap(a, buf[1:, 8:24].unflatten(1, (2, 8))) == "partial"
     assert validation.overlap(a, buf.t()[:16].t()) == "same"
+    rows = torch.zeros(3, 1, 16)  # the same memory whatever the stride of the size-1 dim
+    assert validation.overlap(rows, rows.as_strided((3, 1, 16), (16, 48, 1))) == "same"
     assert validation.overlap(a, buf[:0]) == "none"
     sbhd = torch.zeros(8, 2, 16).transpose(0, 1)  # no [tokens, 16] view: conservative
     assert validation.overlap(sbhd, torch.zeros(8, 2, 16)[:, :, 8:].transpose(0, 1)) == "none"
@@ -181,3 +183,22 @@ def test_rows_apart(view, apart):
         with pytest.raises(ValueError, match="entry: out rows must not overlap each other"):
             validation.check_rows_apart("entry", "out", t)
 
+
+
+@pytest.mark.parametrize("bad", ["x", ["gate"]], ids=["str", "list"])
+def test_validate_gated_norm_names_a_non_tensor(bad):
+    x, gate, _ = make_inputs((1, 2, 2, 16), torch.float32)
+    with pytest.raises(TypeError, match="fused_gated_norm: core_attn_out must be a torch.Tensor"):
+        validation.validate_gated_norm(_gdn_stand_in({}), bad, gate)
+    with pytest.raises(TypeError, match="fused_gated_norm: gate must be a torch.Tensor"):
+        validation.validate_gated_norm(_gdn_stand_in({}), x, bad)
+
+
+@pytest.mark.interpreter
+def test_a_tensor_with_dense_strides_but_another_layout_is_refused_after_a_dense_one():
+    """An mkldnn tensor (CPU only) reports a dense tensor's strides: its layout is part of the
+    checked signature under the interpreter, so a passed dense weight does not let it through."""
+    x, gate, weight = make_inputs((1, 2, 2, 16), torch.float32)
+    validation.check_gated_norm_inputs(x, gate, weight, EPS)  # a dense weight passes, and is kept
+    with pytest.raises(TypeError, match="weight must be a dense \\(strided\\) tensor, got layout torch._mkldnn"):
+        validation.check_gated_norm_inputs(x, gate, weight.to_mkldnn(), EPS)

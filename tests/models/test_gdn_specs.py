@@ -1,30 +1,26 @@
 """Spec functions of core.models.gdn_specs without Transformer Engine: module, layer and hybrid
 block specs; a GPTModel built from the hybrid block spec trains a step on the CPU with the flag."""
 
-from core.testing.cpu import install_cpu_shims
+import pytest
+import torch
 
-install_cpu_shims()
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.transformer.attention import SelfAttention  # noqa: E402
-from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
-from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
-from megatron.core.transformer.spec_utils import build_module  # noqa: E402
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
-
-from core.models import (  # noqa: E402
+from core.models import (
     get_attention_layer_spec,
     get_gdn_hybrid_block_spec,
     get_gdn_layer_spec,
     get_gdn_module_spec,
 )
-from core.models import gdn_specs  # noqa: E402
-from core.ssm import GatedDeltaNet  # noqa: E402
-from core.testing.gdn import gdn_config  # noqa: E402
-from core.transformer import LocalNorm, RMSNorm  # noqa: E402
+from core.models import gdn_specs
+from core.ssm import GatedDeltaNet
+from core.testing.gdn import gdn_config
+from core.transformer import LocalNorm, RMSNorm
 
 pytestmark = pytest.mark.usefixtures("model_parallel_tp1")
 

@@ -4,24 +4,20 @@ the input is untouched, and the models built from both specs have the same state
 sharded-state-dict keys. assert_fused_gdn rejects a model that asks for the fusion but holds
 megatron's class."""
 
-from core.testing.cpu import install_cpu_shims
+import pytest
+import torch
 
-install_cpu_shims()
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp  # noqa: E402
-from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
-from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-
-from core.models.gdn_specs import assert_fused_gdn, use_fused_gdn  # noqa: E402
-from core.ssm import GatedDeltaNet  # noqa: E402
-from core.testing.gdn import gdn_config  # noqa: E402
-from core.testing.specs import (  # noqa: E402
+from core.models.gdn_specs import assert_fused_gdn, use_fused_gdn
+from core.ssm import GatedDeltaNet
+from core.testing.gdn import gdn_config
+from core.testing.specs import (
     checkpoint_keys,
     compare_gdn_swap,
     megatron_te_spec_builders,

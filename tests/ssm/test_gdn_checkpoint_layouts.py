@@ -3,17 +3,14 @@ of one GatedDeltaNet layer across layouts: saved at TP = 2 with the fused-norm f
 at TP = 1 with the flag on, and the reverse. The loaded weights are the saved ones bit for bit
 and the layer computes the same function."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+import os
 
-install_cpu_shims(training=True)
+import pytest
+import torch
+import torch.multiprocessing as mp
 
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from core.testing.gdn_checkpoint import (build_layer, load_layer, make_reference,  # noqa: E402
+from core.testing.cpu import init_cpu_model_parallel
+from core.testing.gdn_checkpoint import (build_layer, load_layer, make_reference,
                                          output_of, save_layer, spawn_worker, state_of)
 
 pytestmark = pytest.mark.cpu_shims

@@ -16,21 +16,16 @@ they take the gloo / CPU path of the harness. tests/ssm/test_gdn_layouts_gpu.py 
 the CPU cannot (or only through stand-ins) over NCCL. The few tests that build a model in this
 process need it to see no GPU, and are skipped where it does."""
 
-from core.testing.cpu import (init_cpu_model_parallel, install_cpu_fla_stand_ins,  # noqa: I001
-                              install_cpu_shims)
+import contextlib
+import copy
+import dataclasses
+import os
 
-install_cpu_shims(training=True)
-install_cpu_fla_stand_ins()
+import pytest
+import torch
 
-import contextlib  # noqa: E402
-import copy  # noqa: E402
-import dataclasses  # noqa: E402
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,  # noqa: E402
+from core.testing.cpu import init_cpu_model_parallel
+from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,
                                    layout_config, make_reference, partial_out_norm_grad,
                                    reference_worker, replica_mismatches, run_case, spawn_layouts)
 

@@ -3,16 +3,13 @@ GatedDeltaNet._apply_gated_norm: the fused one never calls out_norm, and the sca
 swaps its weight slot. Megatron's DDP with ``overlap_param_gather`` waits for a parameter's
 all-gather in such a hook; skipping it would let the norm read a stale weight."""
 
-from core.testing.cpu import cpu_tensor_types, install_cpu_shims
+import pytest
+import torch
 
-install_cpu_shims()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from core.ssm.gated_delta_net import run_forward_hooks, run_forward_pre_hooks  # noqa: E402
-from core.testing.gdn import build_gdn_module, gdn_config, set_out_norm_grad_scale  # noqa: E402
-from tests.gated_norm_inputs import make_inputs  # noqa: E402
+from core.testing.cpu import cpu_tensor_types
+from core.ssm.gated_delta_net import run_forward_hooks, run_forward_pre_hooks
+from core.testing.gdn import build_gdn_module, gdn_config, set_out_norm_grad_scale
+from tests.gated_norm_inputs import make_inputs
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 

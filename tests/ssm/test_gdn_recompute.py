@@ -3,15 +3,11 @@ input grad and every parameter grad with and without recompute; the norm output'
 freed after the forward and rebuilt in backward; validate_gated_norm runs again during the
 recomputation. Megatron's full layer recompute of a GDN hybrid GPT: the same, bit for bit."""
 
-from core.testing.cpu import install_cpu_shims
+import pytest
+import torch
 
-install_cpu_shims()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
-from core.testing.gdn import (build_gdn_layer, gdn_config, layer_inputs,  # noqa: E402
+import core.ssm.gated_delta_net as gdn_mod
+from core.testing.gdn import (build_gdn_layer, gdn_config, layer_inputs,
                               randomize_norm_weights, set_out_norm_grad_scale)
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]

@@ -7,17 +7,14 @@ and off, fused and unfused paths; so is the weight after the optimizer step. The
 no hook and no Python object (torch.load(weights_only=True) takes it), and a megatron that sums
 the out_norm gradient itself is left to do so alone."""
 
-from core.testing.cpu import init_cpu_model_parallel, install_cpu_shims
+import os
 
-install_cpu_shims(training=True)
+import pytest
+import torch
+import torch.multiprocessing as mp
 
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TP_OVERRIDES,  # noqa: E402
+from core.testing.cpu import init_cpu_model_parallel
+from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TP_OVERRIDES,
                                  case_name, make_reference, ref_key, rel_err, spawn_worker,
                                  tolerance)
 

@@ -10,18 +10,14 @@ GPU (2 CUDA devices, NCCL):
 
 The eager cases also run on the CPU (gloo, Triton interpreter) as a dry run of the harness."""
 
-from core.testing.cpu import install_cpu_shims
+import os
 
-install_cpu_shims(training=True)  # a no-op when CUDA is available
+import pytest
+import torch
+import torch.multiprocessing as mp
 
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from core.testing.gdn_layer_tp import spawn_worker  # noqa: E402
-from core.testing.gdn_tp import rel_err, tolerance  # noqa: E402
+from core.testing.gdn_layer_tp import spawn_worker
+from core.testing.gdn_tp import rel_err, tolerance
 
 TP = 2
 BF16_TOLERANCE = tolerance({"dtype": "bf16"})  # about one bf16 ulp of the largest element

@@ -4,28 +4,24 @@ parameter carries no hook and no Python object, megatron's own reduction rule is
 run, and a replaced weight without its tag is refused. The multi-rank checks (gloo, TP 2 and 4)
 are in test_gdn_tensor_parallel.py."""
 
-from core.testing.cpu import install_cpu_shims
+import importlib
+from types import SimpleNamespace
 
-install_cpu_shims()
+import pytest
+import torch
 
-import importlib  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from core.ssm.gated_delta_net import (  # noqa: E402
+from core.ssm.gated_delta_net import (
     TP_AVG_TAG,
     megatron_tp_grad_reduction,
     scale_grad,
     weight_read_as,
 )
-from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weights,  # noqa: E402
+from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weights,
                               set_out_norm_grad_scale)
-from core.testing.gdn_tp import megatron_summing_out_norm_grad  # noqa: E402
-from core.transformer import RMSNorm  # noqa: E402
+from core.testing.gdn_tp import megatron_summing_out_norm_grad
+from core.transformer import RMSNorm
 
-from tests.gated_norm_inputs import make_grad_inputs  # noqa: E402
+from tests.gated_norm_inputs import make_grad_inputs
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 

@@ -1,15 +1,11 @@
 """Helpers of core.testing.gdn and core.testing.gdn_layer_tp: the capturable stand-in of the
 gated delta rule and the norm-call counters the harnesses and the example rely on."""
 
-from core.testing.cpu import install_cpu_shims
+import pytest
+import torch
 
-install_cpu_shims()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import core.ssm.gated_delta_net as gdn_mod  # noqa: E402
-from core.testing.gdn import (build_gdn_module, counting_fused_norm_calls, gdn_config,  # noqa: E402
+import core.ssm.gated_delta_net as gdn_mod
+from core.testing.gdn import (build_gdn_module, counting_fused_norm_calls, gdn_config,
                               layer_inputs)
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]

@@ -245,8 +245,13 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
 
 @pytest.mark.interpreter
 def test_parity_sources_on_the_cpu():
-    """Under the interpreter the summation orders agree: no difference anywhere."""
-    result = parity_sources((1, 8, 2, 64), device="cpu")
-    assert result["out_vs_unfused"] == {"differ": 0.0, "max_ulp": 0}
-    assert result["rows_with_a_difference"] == 0
-    assert result["out_vs_unfused_with_our_rstd"]["differ"] == 0.0
+    """The interpreter's sum of squares (numpy's order) differs from torch's CPU one on ~15 % of
+    rows and flips a rounding in a few of 8192 rows: each of those rows has a differing rstd,
+    and given our rstd the unfused path equals our output on every element (the interpreter
+    computes the activation as torch does). The GPU test makes the same check at 1M rows."""
+    result = parity_sources((1, 1024, 8, 128), device="cpu")
+    assert result["rstd_vs_torch"]["differ"] > 0.05
+    assert result["rows_with_a_difference"] > 0  # else the row check below checks nothing
+    assert result["of_them_rstd_differs"] == result["rows_with_a_difference"]
+    assert result["out_vs_unfused"]["max_ulp"] == 1
+    assert result["out_vs_unfused_with_our_rstd"] == {"differ": 0.0, "max_ulp": 0}

@@ -46,7 +46,7 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
         assert entry["fwd_bwd_ms_min"] == min(steps)
         assert entry["fwd_bwd_ms_median"] == statistics.median(steps)
     section = results["parity"]["norm_section"]
-    assert section["out_bitwise_vs_eager"] == 1.0  # the CPU's summation orders agree
+    assert section["out_bitwise_vs_eager"] >= 0.999 and section["out_max_ulp_vs_eager"] <= 1
     assert set(section["rel_err_vs_float64"]) == {"out", "dx", "dgate", "dweight"}
     assert set(results["perf"]) == {"S=64 B=2 off", "S=64 B=2 on", "H=2 S=64 B=2 off",
                                      "H=2 S=64 B=2 on"}

@@ -40,6 +40,7 @@ import collections
 import contextlib
 import copy
 import importlib
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -257,6 +258,36 @@ def fsdp_copy_tagged(param: torch.nn.Parameter, tag: str, index: Optional[int]) 
     return getattr(dist_param, "orig_param", None) is param and getattr(dist_param, tag, False) is True
 
 
+def torch_fsdp2_sharded_param(module: torch.nn.Module, name: str) -> Optional[torch.nn.Parameter]:
+    """The parameter torch FSDP2 (``fully_shard``; megatron's ``TorchFullyShardedDataParallel``,
+    ``--use-torch-fsdp2``) registers as ``module.<name>`` outside the forward, when what is
+    registered now is FSDP2's unsharded parameter, else None.
+
+    During a forward FSDP2 puts on the module an unsharded parameter of its own, made without the
+    original's attributes; megatron's wrapper copies those (the TP tag among them) onto the
+    sharded parameter, which is what finalize_model_grads reduces. FSDP2 keeps no link from one to
+    the other, so its states are searched (torch's private ``_module_state_mapping`` and
+    ``FSDPParam``, torch 2.4 to 2.13: a torch without them gives None)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return None
+    current = module._parameters.get(name)
+    for state in list(_module_state_mapping.values()):
+        state = state() if isinstance(state, weakref.ref) else state
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                info = getattr(fsdp_param, "_module_info", None)
+                if (info is not None and info.module is module and info.param_name == name
+                        and getattr(fsdp_param, "_unsharded_param", None) is current):
+                    return fsdp_param.sharded_param
+    return None
+
+
 class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
     gate to the fused kernel. Constructor arguments are megatron's.
@@ -349,6 +380,11 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                 weight, TP_AVG_TAG, self.__dict__.get("_fsdp_tag_index")):
             self.__dict__["_fsdp_tag_index"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
         if not getattr(weight, TP_AVG_TAG, False):
+            sharded = torch_fsdp2_sharded_param(self.out_norm, "weight")
+            if sharded is not None and getattr(sharded, TP_AVG_TAG, False):
+                # FSDP2 keeps its unsharded parameter from step to step: searched once.
+                setattr(weight, TP_AVG_TAG, True)
+                return
             raise RuntimeError(
                 f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "
                 "replaced after construction), so finalize_model_grads would leave its "

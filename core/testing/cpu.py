@@ -49,6 +49,8 @@ writer of ``megatron.core.dist_checkpointing``), and checks
   * in those megatron modules only (:data:`TRAINING_MODULES`), the global name ``torch`` is
     replaced by a proxy whose tensor factories map ``device='cuda'`` to the CPU and whose
     ``torch.cuda`` has no-op streams and synchronisation; everything else is the real torch.
+  * ``TorchFullyShardedDataParallel`` (megatron's torch FSDP2 wrapper) builds its device mesh
+    for "cuda": built for the CPU instead.
   * :func:`cpu_tensor_types`: a context manager (held while the optimizer is built and while it
     steps) in which ``Tensor.type()`` of a CPU tensor reports the CUDA type name, so megatron's
     dtype dispatch picks the same branch as on a GPU.
@@ -349,7 +351,21 @@ def install_cpu_training_shims() -> None:
             mod.torch = proxy
     gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn_common.l2norm = torch_l2norm  # the CPU speed stand-in (module docstring)
+    torch_fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
+    if getattr(torch_fsdp2, "HAVE_FSDP", False):
+        torch_fsdp2.DeviceMesh = _CpuDeviceMesh
     _TRAINING_INSTALLED = True
+
+
+class _CpuDeviceMesh:
+    """megatron's TorchFullyShardedDataParallel builds its FSDP2 mesh as
+    ``DeviceMesh.from_group(group, "cuda")``: the same mesh on the CPU (gloo)."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
 
 
 def _optimizer_with_cuda_type_names(get_megatron_optimizer):

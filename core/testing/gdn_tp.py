@@ -161,6 +161,31 @@ def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
     )
 
 
+def _torch_fsdp2_step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
+                      distributed_optimizer: bool = False) -> dict:
+    """megatron's torch FSDP2 wrapper (TorchFullyShardedDataParallel, ``--use-torch-fsdp2``),
+    forward, backward, stock finalize_model_grads; the out_norm gradient before and after."""
+    from megatron.core.distributed import (DistributedDataParallelConfig,
+                                           TorchFullyShardedDataParallel, finalize_model_grads)
+
+    model = TorchFullyShardedDataParallel(config=module.config, module=module,
+                                          ddp_config=DistributedDataParallelConfig())
+    out = model(x.contiguous(), attention_mask=None)[0]
+    out.backward(dy.contiguous())
+    weight = module.out_norm.weight  # FSDP2's sharded parameter again, the one finalize reduces
+    before = weight.grad.full_tensor().clone()
+    finalize_model_grads([model])
+    return dict(out=out.detach().float().cpu(), before=before.float().cpu(),
+                after=weight.grad.full_tensor().clone().cpu(),
+                grad_scale=module.out_norm_weight_grad_scale,
+                avg_tag=bool(getattr(weight, "average_gradients_across_tp_domain", False)))
+
+
+# fp32 cases under megatron's torch FSDP2 wrapper (results named "torch-fsdp2-<case>"; CPU runs).
+TORCH_FSDP2_CASES = tuple(c for c in CASES if c["dtype"] == "fp32" and c["grad_reduce_in_fp32"]
+                          and not c["distributed_optimizer"])
+
+
 @contextlib.contextmanager
 def megatron_summing_out_norm_grad():
     """A megatron-core that reduces the GDN out_norm weight gradient itself (what a fix of
@@ -225,19 +250,23 @@ MEGATRON_SUMS_CASES = tuple(c for c in CASES if c["dtype"] == "fp32" and c["grad
 
 def run_rank(rank: int, tp_size: int, ref_path: str, out_path: str,
              cases: Iterable[dict] = CASES,
-             megatron_sums_cases: Iterable[dict] = MEGATRON_SUMS_CASES) -> dict:
+             megatron_sums_cases: Iterable[dict] = MEGATRON_SUMS_CASES,
+             torch_fsdp2_cases: Iterable[dict] = ()) -> dict:
     """One TP rank (parallel_state initialised with ``tp_size``): every case, then the
-    ``megatron_sums_cases`` under :func:`megatron_summing_out_norm_grad`; results saved to
-    ``out_path`` (and returned)."""
+    ``megatron_sums_cases`` under :func:`megatron_summing_out_norm_grad` and the
+    ``torch_fsdp2_cases`` under megatron's torch FSDP2 wrapper; results saved to ``out_path``
+    (and returned)."""
     results = _run_cases(rank, tp_size, ref_path, cases)
     with megatron_summing_out_norm_grad():
         simulated = _run_cases(rank, tp_size, ref_path, megatron_sums_cases)
     results.update({f"megatron-sums-{name}": res for name, res in simulated.items()})
+    fsdp2 = _run_cases(rank, tp_size, ref_path, torch_fsdp2_cases, _torch_fsdp2_step)
+    results.update({f"torch-fsdp2-{name}": res for name, res in fsdp2.items()})
     torch.save(results, out_path)
     return results
 
 
-def _run_cases(rank: int, tp_size: int, ref_path: str, cases: Iterable[dict]) -> dict:
+def _run_cases(rank: int, tp_size: int, ref_path: str, cases: Iterable[dict], step=_step) -> dict:
     from core.testing.gdn import build_gdn_module, gdn_config, shard_gdn_state_dict
 
     saved = torch.load(ref_path, weights_only=False)
@@ -255,8 +284,8 @@ def _run_cases(rank: int, tp_size: int, ref_path: str, cases: Iterable[dict]) ->
         x, dy = ref["x"].to(device), ref["dy"].to(device)
         if case["sequence_parallel"]:
             x, dy = x.chunk(tp_size, dim=0)[rank], dy.chunk(tp_size, dim=0)[rank]
-        results[case_name(case)] = _step(module, case["grad_reduce_in_fp32"], x, dy,
-                                         case["distributed_optimizer"])
+        results[case_name(case)] = step(module, case["grad_reduce_in_fp32"], x, dy,
+                                        case["distributed_optimizer"])
     return results
 
 
@@ -269,6 +298,7 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, ref_path: str, out_dir
     torch.set_num_threads(1)  # several ranks share few cores
     init_cpu_model_parallel(tp_size=tp_size, rank=rank, world_size=tp_size, init_file=init_file)
     try:
-        run_rank(rank, tp_size, ref_path, os.path.join(out_dir, f"rank{rank}.pt"))
+        run_rank(rank, tp_size, ref_path, os.path.join(out_dir, f"rank{rank}.pt"),
+                 torch_fsdp2_cases=TORCH_FSDP2_CASES)
     finally:
         destroy_cpu_model_parallel()

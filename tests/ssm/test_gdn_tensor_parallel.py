@@ -5,7 +5,9 @@ megatron's optimizer step. The out_norm weight gradient (DDP's main_grad) equals
 gradient on every rank and is bitwise identical across the ranks, with sequence parallelism on
 and off, fused and unfused paths; so is the weight after the optimizer step. The weight carries
 no hook and no Python object (torch.load(weights_only=True) takes it), and a megatron that sums
-the out_norm gradient itself is left to do so alone."""
+the out_norm gradient itself is left to do so alone. Under megatron's torch FSDP2 wrapper
+(TorchFullyShardedDataParallel) the gradient after finalize_model_grads equals the TP = 1 one
+too."""
 
 import os
 
@@ -14,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from core.testing.cpu import init_cpu_model_parallel
-from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TP_OVERRIDES,
+from core.testing.gdn_tp import (CASES, MEGATRON_SUMS_CASES, TORCH_FSDP2_CASES, TP_OVERRIDES,
                                  case_name, make_reference, ref_key, rel_err, spawn_worker,
                                  tolerance)
 
@@ -136,3 +138,20 @@ def test_tp_output_matches_tp1(tp_results, case):
         for r in range(1, tp):
             assert torch.equal(got, ranks[r][name]["out"])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", TORCH_FSDP2_CASES, ids=[case_name(c) for c in TORCH_FSDP2_CASES])
+def test_out_norm_grad_under_torch_fsdp2_matches_tp1(tp_results, case):
+    """FSDP2 runs the forward on an unsharded parameter of its own, without the TP tag; the
+    module finds the sharded parameter that carries it, and finalize completes the sum."""
+    tp, ref, ranks = tp_results
+    name = f"torch-fsdp2-{case_name(case)}"
+    expected = ref[ref_key(case)]["dw"]
+    for rank, results in enumerate(ranks):
+        got = results[name]
+        assert got["grad_scale"] == (1.0 if case["sequence_parallel"] else float(tp))
+        assert got["avg_tag"] == (not case["sequence_parallel"])
+        err = rel_err(got["after"], expected)
+        assert err <= tolerance(case), f"{name} TP {tp} rank {rank}: rel err {err:.2e}"
+        assert torch.equal(got["after"], ranks[0][name]["after"])
+    assert not torch.allclose(ranks[0][name]["before"], ranks[1][name]["before"])  # partials

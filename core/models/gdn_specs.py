@@ -41,6 +41,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import inspect
 from typing import Any, Mapping, Optional
 
 import torch
@@ -88,10 +89,25 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
     The input is not modified. A node none of whose descendants changes is returned as is (the
     same object); a changed node is a shallow copy with the changed fields set (no
     ``__init__`` / ``__post_init__`` re-run). A node shared by several parents (megatron's block
-    builders reuse one mixer spec for every GDN layer) maps to one shared copy."""
+    builders reuse one mixer spec for every GDN layer) maps to one shared copy.
+
+    A spec *function* (what megatron.training's ``GPTModelConfig`` and Megatron-Bridge's
+    providers take as ``transformer_layer_spec``, e.g.
+    ``get_transformer_block_with_experimental_attention_variant_spec``) gives a function with
+    its signature (``vp_stage`` included) that calls it and replaces in what it returns. A string
+    is refused (TypeError): it is not a spec, and returning it unchanged would hide that."""
+    if isinstance(spec, (str, bytes)):
+        raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
+                        f"got the string {spec!r}")
     pairs = tuple(replacements.items())
     if not pairs:
         return spec
+    if (inspect.isfunction(spec) or inspect.ismethod(spec)) and _replacement(spec, pairs) is _NO_REPLACEMENT:
+        @functools.wraps(spec)
+        def spec_with_replacements(*args, **kwargs):
+            return _replace(spec(*args, **kwargs), pairs, {})
+
+        return spec_with_replacements
     return _replace(spec, pairs, {})
 
 
@@ -206,7 +222,10 @@ def use_fused_gdn(spec: Any) -> Any:
     same parameters, so state-dict and sharded-state-dict keys (and so checkpoints) do not change.
 
     A subclass of megatron's GatedDeltaNet other than ours is someone else's layer and is left
-    alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion."""
+    alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion.
+
+    A spec function gives a spec function (``use_fused_gdn(provider.transformer_layer_spec)``:
+    same signature, the replacement made in what it builds); a string raises TypeError."""
     return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
 
 

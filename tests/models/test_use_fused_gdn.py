@@ -102,6 +102,28 @@ def test_bare_class_import_path_and_foreign_subclass():
     assert use_fused_gdn(theirs) is theirs
 
 
+def test_spec_function_gives_a_spec_function_with_its_signature():
+    """megatron.training's GPTModelConfig and Megatron-Bridge's providers take a spec function as
+    transformer_layer_spec and call it with vp_stage when its signature has one."""
+    import inspect
+
+    megatron_fn = mexp.get_transformer_block_with_experimental_attention_variant_spec
+    fused_fn = use_fused_gdn(megatron_fn)
+    assert callable(fused_fn) and fused_fn is not megatron_fn
+    assert inspect.signature(fused_fn) == inspect.signature(megatron_fn)
+    assert "vp_stage" in inspect.signature(fused_fn).parameters
+    config = _config()
+    with megatron_te_spec_builders():
+        spec, fused = megatron_fn(config, vp_stage=None), fused_fn(config, vp_stage=None)
+    assert compare_gdn_swap(spec, fused) == 2
+
+
+@pytest.mark.parametrize("spec", ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", b"GDN"])
+def test_a_string_is_not_a_spec(spec):
+    with pytest.raises(TypeError, match="replace_modules: spec must be a spec, a list of specs or a spec function"):
+        use_fused_gdn(spec)
+
+
 # --- built models: same keys -------------------------------------------------------------------
 
 

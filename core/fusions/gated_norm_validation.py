@@ -296,6 +296,23 @@ def check_last_dim_stride(entry: str, named: tuple) -> list:
     return strides
 
 
+def check_norm_and_gate(normalization, act_fn, act_fn_name: str) -> str:
+    """The norm and gate rules of the fused GDN output norm, for a config (at construction) and
+    a module (on every fused forward): RMSNorm, and a gate activation the kernels implement
+    (ValueError naming ``act_fn_name``, where it comes from). Returns its kernel name."""
+    if normalization != "RMSNorm":
+        raise ValueError("fused_gated_norm requires normalization='RMSNorm' (the kernels "
+                         f"implement RMSNorm only), got {normalization!r}")
+    activation = gate_activation_name(act_fn)
+    if activation is None:
+        raise ValueError(
+            f"fused_gated_norm requires {act_fn_name} (the GDN gate activation) to be one of the "
+            f"kernels' {SUPPORTED_ACTIVATIONS} (torch.nn.functional.silu / torch.sigmoid), got "
+            f"{getattr(act_fn, '__name__', act_fn)!r}"
+        )
+    return activation
+
+
 def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     """Check that a Megatron GatedDeltaNet ``module`` can take the fused output norm for these
     inputs; runs on every fused forward, recomputation included. Host-side metadata only.
@@ -307,17 +324,11 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     (``out_norm_zero_centered``, ours) and out_norm says whether it does
     (``zero_centered_gamma``), the two must agree."""
     config = module.config
-    if config.normalization != "RMSNorm":
-        raise ValueError(
-            f"fused_gated_norm requires normalization='RMSNorm', got {config.normalization!r}"
-        )
-    act_fn = getattr(module, "act_fn", config.activation_func)
-    activation = gate_activation_name(act_fn)
-    if activation is None:
-        raise ValueError(
-            "fused_gated_norm requires a silu or sigmoid gate activation (the module's act_fn, "
-            f"config.activation_func), got {getattr(act_fn, '__name__', act_fn)!r}"
-        )
+    if hasattr(module, "act_fn"):
+        activation = check_norm_and_gate(config.normalization, module.act_fn, "the module's act_fn")
+    else:
+        activation = check_norm_and_gate(config.normalization, config.activation_func,
+                                         "activation_func")
     norm = module.out_norm
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor):

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import (
     TransformerConfig as _MegatronTransformerConfig,
 )
 
-from core.fusions.gated_norm_validation import SUPPORTED_ACTIVATIONS, gate_activation_name
+from core.fusions.gated_norm_validation import check_norm_and_gate
 
 
 @dataclass
@@ -59,17 +59,20 @@ class TransformerConfig(_MegatronTransformerConfig):
 def check_gdn_field_types(config) -> bool:
     """The types of the two GDN fields (TypeError: a string or an int is not a bool); returns
     whether the config asks for the fused norm."""
-    fused = getattr(config, "fused_gated_norm", False)
-    if not isinstance(fused, bool):
-        raise TypeError(f"fused_gated_norm must be True or False, got {fused!r}")
-    zero_centered = getattr(config, "gdn_out_norm_zero_centered_gamma", None)
-    if zero_centered is not None and not isinstance(zero_centered, bool):
-        raise TypeError(
-            "gdn_out_norm_zero_centered_gamma must be None (follow "
-            "layernorm_zero_centered_gamma), True or False, got "
-            f"{zero_centered!r}"
-        )
+    fused = _check_flag("fused_gated_norm", getattr(config, "fused_gated_norm", False))
+    _check_flag("gdn_out_norm_zero_centered_gamma",
+                getattr(config, "gdn_out_norm_zero_centered_gamma", None), none_follows=True)
     return fused
+
+
+def _check_flag(name: str, value, none_follows: bool = False):
+    """``value`` is True or False (TypeError: a string or an int is not a bool), or None where
+    it means "follow layernorm_zero_centered_gamma"; returns it."""
+    if not (isinstance(value, bool) or (none_follows and value is None)):
+        choices = "None (follow layernorm_zero_centered_gamma), True or False" if none_follows \
+            else "True or False"
+        raise TypeError(f"{name} must be {choices}, got {value!r}")
+    return value
 
 
 def validate_gdn_config(config) -> None:
@@ -81,19 +84,7 @@ def validate_gdn_config(config) -> None:
     norm does not implement."""
     if not check_gdn_field_types(config):
         return
-    if config.normalization != "RMSNorm":
-        raise ValueError(
-            "fused_gated_norm requires normalization='RMSNorm' (the kernel implements "
-            f"RMSNorm only), got {config.normalization!r}"
-        )
-    activation = gate_activation_name(config.activation_func)
-    if activation is None:
-        name = getattr(config.activation_func, "__name__", repr(config.activation_func))
-        raise ValueError(
-            "fused_gated_norm requires activation_func (the GDN gate activation) to be one of "
-            f"the kernel's {SUPPORTED_ACTIVATIONS} (torch.nn.functional.silu / torch.sigmoid), "
-            f"got {name}"
-        )
+    activation = check_norm_and_gate(config.normalization, config.activation_func, "activation_func")
     if activation == "sigmoid" and not config.deterministic_mode:
         raise ValueError(
             "fused_gated_norm with a sigmoid gate requires deterministic_mode=True: megatron's "
@@ -107,10 +98,8 @@ def gdn_out_norm_zero_centered(config) -> bool:
     ``gdn_out_norm_zero_centered_gamma`` when set, else ``layernorm_zero_centered_gamma``.
     Accepts a plain megatron TransformerConfig too (no override field: the global flag).
     TypeError when the flag it reads is not a bool (a string 'false' would read as True)."""
-    value = getattr(config, "gdn_out_norm_zero_centered_gamma", None)
-    name = "gdn_out_norm_zero_centered_gamma"
+    value = _check_flag("gdn_out_norm_zero_centered_gamma",
+                        getattr(config, "gdn_out_norm_zero_centered_gamma", None), none_follows=True)
     if value is None:
-        value, name = config.layernorm_zero_centered_gamma, "layernorm_zero_centered_gamma"
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        return _check_flag("layernorm_zero_centered_gamma", config.layernorm_zero_centered_gamma)
     return value

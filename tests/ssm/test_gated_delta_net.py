@@ -338,7 +338,7 @@ def test_validation_accepts_good_inputs(fused_module):
         (lambda m: (_with_config(m, normalization="LayerNorm"), _xg()), ValueError,
          "requires normalization='RMSNorm'"),
         (lambda m: (_with_act_fn(m, F.gelu), _xg()), ValueError,
-         "silu or sigmoid gate activation"),
+         r"requires the module's act_fn \(the GDN gate activation\)"),
         (lambda m: (_with_config(m, layernorm_epsilon=1e-3), _xg()), ValueError,
          r"out_norm eps \(1e-05\) to equal config.layernorm_epsilon"),
         (lambda m: (m, _xg(heads=3)), ValueError, r"core_attn_out of shape \[batch, seq, 4, 16\]"),

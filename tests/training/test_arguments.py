@@ -102,7 +102,7 @@ def test_gelu_gate_refused_naming_swiglu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["x", *line, "--fused-gated-norm"])
     args = parse_args(extra_args_provider=add_gdn_fusion_args)
     validate_args(args)
-    with pytest.raises(ValueError, match=r"got gelu \[command line: --fused-gated-norm, --swiglu"):
+    with pytest.raises(ValueError, match=r"got 'gelu' \[command line: --fused-gated-norm, --swiglu"):
         transformer_config_from_args(args)
 
 

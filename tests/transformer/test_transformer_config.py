@@ -40,7 +40,7 @@ def test_flag_requires_rmsnorm():
 
 @pytest.mark.parametrize("activation", [F.gelu, torch.nn.SiLU])
 def test_flag_requires_supported_gate_activation(activation):
-    with pytest.raises(ValueError, match=r"fused_gated_norm requires activation_func .*got (gelu|SiLU)"):
+    with pytest.raises(ValueError, match=r"fused_gated_norm requires activation_func .*got '(gelu|SiLU)'"):
         gdn_config(fused_gated_norm=True, activation_func=activation)
 
 

@@ -164,6 +164,16 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
                  *SIZES):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("eval_batches", "paired_check_every"):  # 0: none
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    shortest = min(len(split) for split in pretrain_data.load_corpus())
+    if args.seq_length + 2 > shortest:  # a window is seq_length + 1 tokens, drawn from [0, high)
+        raise SystemExit(f"--seq-length must be at most {shortest - 2} (the shorter split of the "
+                         f"corpus, the held-out one, has {shortest} tokens), got {args.seq_length}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise SystemExit(f"--num-attention-heads {args.num_attention_heads} must be a multiple "
+                         f"of --num-query-groups {args.num_query_groups}")
     if args.sequence_parallel and args.seq_length % args.tp:
         raise SystemExit(f"--sequence-parallel splits the sequence over the TP ranks: "
                          f"--seq-length {args.seq_length} must be divisible by --tp {args.tp}")
@@ -706,8 +716,18 @@ def _spawn_entry(rank: int, world_size: int, args: argparse.Namespace, init_meth
     worker(rank, world_size, args, init_method)
 
 
+def check_config(args: argparse.Namespace) -> None:
+    """megatron's own rules of the model settings (head counts against TP and each other, ...),
+    in this process, before any rank is spawned."""
+    try:
+        build_config(args, args.fused_gated_norm)
+    except (ValueError, AssertionError, TypeError) as exc:
+        raise SystemExit(f"megatron refuses these model settings: {exc}") from None
+
+
 def main(argv=None) -> None:
     args = resolve_defaults(build_parser().parse_args(argv))
+    check_config(args)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

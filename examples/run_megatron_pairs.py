@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = 60 if HAS_CUDA else 4
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.timeout < 1:
+        p.error(f"--timeout must be >= 1 (seconds per launch), got {args.timeout}")
     if args.no_resume:
         args.save_at = None  # nothing to resume: no checkpoints
     else:

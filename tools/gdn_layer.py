@@ -586,9 +586,9 @@ def main(argv=None) -> None:
         "out_norm weight gradient at TP = N against TP = 1."))
     parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--iters", type=int, default=20,
+    parser.add_argument("--iters", type=int, default=None,
                         help="timed steps per measurement (perf: per flag state, the two "
-                             "alternating; default: %(default)s; --cpu: 2)")
+                             "alternating; default: 20, --cpu: 2)")
     parser.add_argument("--graph-repeats", type=int, default=GRAPH_REPEATS,
                         help="graphs: layers built and captured per flag state, in alternating order")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
@@ -619,6 +619,8 @@ def main(argv=None) -> None:
     parts = args.parts.split(",")
     if args.graph_repeats < 1:
         parser.error(f"--graph-repeats {args.graph_repeats}: must be >= 1")
+    if args.iters is not None and args.iters < 1:
+        parser.error(f"--iters {args.iters}: must be >= 1")
     if set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
     shape_texts = args.shapes or []
@@ -630,7 +632,7 @@ def main(argv=None) -> None:
         from core.testing.cpu import install_cpu_shims
 
         install_cpu_shims()
-        setup, shapes, iters = LayerSetup("cpu", dict(TINY)), CPU_SHAPES, 2
+        setup, shapes, iters = LayerSetup("cpu", dict(TINY)), CPU_SHAPES, args.iters or 2
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gdn_layer.py needs a CUDA GPU (--cpu for a dry run)")
@@ -638,7 +640,7 @@ def main(argv=None) -> None:
             import megatron.core.jit as mjit
 
             mjit.disable_jit_fuser()
-        setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters
+        setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters or 20
     perf_shapes = requested_shapes or shapes
     heads = args.value_heads or [setup.sizes["num_value_heads"]]
     try:

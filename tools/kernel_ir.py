@@ -233,6 +233,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if len(args.bt) != len(args.warps):
         parser.error("give one --warps per --bt")
+    if not 1 <= args.dim <= launch_rules.MAX_HEAD_DIM:
+        parser.error(f"--dim must be in [1, {launch_rules.MAX_HEAD_DIM}], got {args.dim}")
+    for name, values in (("--bt", args.bt), ("--warps", args.warps)):
+        if any(v < 1 or v & (v - 1) for v in values):
+            parser.error(f"{name} must be powers of two, got {values}")
     print(json.dumps([describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned,
                                args.dump, False if args.dw_sum_as_usual else None)
                       for bt, warps in zip(args.bt, args.warps)], indent=1))

@@ -200,9 +200,12 @@ def main(argv=None) -> None:
                         help="backward: comma-separated pipeline stage counts to sweep")
     parser.add_argument("--out", default="out/benchmark", help="folder for launch_sweep.json")
     args = parser.parse_args(argv)
-    shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    programs_per_sm = parse_positive_ints("--programs-per-sm", args.programs_per_sm)
-    stages = parse_positive_ints("--stages", args.stages)
+    try:
+        shapes = [parse_shape(s) for s in args.shapes.split(",")]
+        programs_per_sm = parse_positive_ints("--programs-per-sm", args.programs_per_sm)
+        stages = parse_positive_ints("--stages", args.stages)
+    except ValueError as exc:
+        parser.error(str(exc))
     require_cuda("launch_sweep.py")
     ceiling = copy_ceiling()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -194,13 +194,24 @@ def test_cpu_threads_default_and_validation(monkeypatch):
     (["--steps", "3", "--warmup-steps", "3"], "--warmup-steps must be >= 0 and < --steps 3, got 3"),
     (["--tp", "2", "--sequence-parallel", "--seq-length", "33"],
      "--seq-length 33 must be divisible by --tp 2"),
+    (["--eval-batches", "-2"], "--eval-batches must be >= 0, got -2"),
+    (["--paired-check-every", "-1"], "--paired-check-every must be >= 0, got -1"),
+    (["--seq-length", "14000"], r"--seq-length must be at most 13065 \(the shorter split of the "
+                                r"corpus, the held-out one, has 13067 tokens\), got 14000"),
+    (["--num-query-groups", "3"], "--num-attention-heads 4 must be a multiple of --num-query-groups 3"),
+    # megatron's own rules, from its config, before any rank is spawned
+    (["--tp", "3"], r"megatron refuses these model settings: num_attention_heads \(4\) must be a "
+                    r"multiple of tensor_model_parallel_size \(3\)"),
+    (["--linear-num-key-heads", "3"], r"megatron refuses these model settings: "
+                                      r"linear_num_value_heads \(4\) must be a multiple of "
+                                      r"linear_num_key_heads \(3\)"),
 ])
 def test_bad_arguments_stop_before_a_model_is_built(monkeypatch, argv, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     example = _load_example("pretrain_gdn")
     monkeypatch.setattr(example, "HAS_CUDA", False)
     with pytest.raises(SystemExit, match=message):
-        example.resolve_defaults(example.build_parser().parse_args(argv))
+        example.check_config(example.resolve_defaults(example.build_parser().parse_args(argv)))
 
 
 def test_warmup_default_leaves_a_decay_step(monkeypatch):

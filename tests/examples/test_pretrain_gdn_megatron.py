@@ -107,7 +107,8 @@ def test_driver_arguments(monkeypatch, capsys):
     assert driver.parse_args(["--steps", "4"]).save_at == 2
     for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"),
                           (["--steps", "1"], "--save-at 1 must be in [1, --steps 1) (or pass --no-resume)"),
-                          (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0")):
+                          (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0"),
+                          (["--timeout", "-1"], "--timeout must be >= 1 (seconds per launch), got -1")):
         with pytest.raises(SystemExit):
             driver.parse_args(argv)
         assert message in capsys.readouterr().err, argv

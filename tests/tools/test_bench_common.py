@@ -245,13 +245,27 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
 
 @pytest.mark.interpreter
 def test_parity_sources_on_the_cpu():
-    """The interpreter's sum of squares (numpy's order) differs from torch's CPU one on ~15 % of
-    rows and flips a rounding in a few of 8192 rows: each of those rows has a differing rstd,
-    and given our rstd the unfused path equals our output on every element (the interpreter
-    computes the activation as torch does). The GPU test makes the same check at 1M rows."""
+    """The interpreter's sum of squares (numpy's order) differs from torch's CPU one on ~16 % of
+    rows and flips a rounding in a few of 8192 rows, by one ulp. Given our rstd, the unfused path
+    equals our output but where the activation's last bit differs (numpy's exp against torch's;
+    at most 1 element in 10^5, one ulp), and every other differing row has a differing rstd.
+    The GPU test makes the same check at 1M rows."""
     result = parity_sources((1, 1024, 8, 128), device="cpu")
     assert result["rstd_vs_torch"]["differ"] > 0.05
     assert result["rows_with_a_difference"] > 0  # else the row check below checks nothing
-    assert result["of_them_rstd_differs"] == result["rows_with_a_difference"]
     assert result["out_vs_unfused"]["max_ulp"] == 1
-    assert result["out_vs_unfused_with_our_rstd"] == {"differ": 0.0, "max_ulp": 0}
+    with_our_rstd = result["out_vs_unfused_with_our_rstd"]
+    assert with_our_rstd["differ"] <= 1e-5 and with_our_rstd["max_ulp"] <= 1
+    activation_rows = round(with_our_rstd["differ"] * result["elements"])
+    assert result["of_them_rstd_differs"] >= result["rows_with_a_difference"] - activation_rows
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "0"], "--stages '0': expected comma-separated positive integers"),
+    (["--programs-per-sm", "8,x"], "--programs-per-sm '8,x': expected comma-separated positive integers"),
+    (["--shapes", "1x2"], "shape '1x2': expected BxSxHxD with four positive integers"),
+])
+def test_launch_sweep_arguments_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        launch_sweep.main(argv)
+    assert message in capsys.readouterr().err

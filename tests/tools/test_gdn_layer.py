@@ -124,6 +124,7 @@ def test_graphed_pair_alternates_the_flags_and_takes_medians(monkeypatch):
     (["--cpu", "--shapes", "64x0"], "--shapes 64x0: each must be SEQxBATCH"),
     (["--cpu", "--tp", "2"], "start it with torchrun --nproc-per-node 2"),
     (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--cpu", "--iters", "0"], "--iters 0: must be >= 1"),
 ])
 def test_bad_arguments_stop_before_any_setup(monkeypatch, capsys, argv, message):
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,3 +110,16 @@ def test_gate_exponential_is_one_flush_to_zero_ex2():
     for kernel in ("fwd", "bwd"):
         (report,) = kernel_ir("--kernel", kernel, "--dim", "128", "--bt", "4", "--warps", "2")
         assert report["exp2_instructions"] == ["ex2.approx.ftz.f32"], report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bt", "4", "--warps", "1", "--dim", "0"], "--dim must be in [1, 8192], got 0"),
+    (["--bt", "3", "--warps", "1"], "--bt must be powers of two, got [3]"),
+    (["--bt", "4", "--warps", "0"], "--warps must be powers of two, got [0]"),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    from tools import kernel_ir as tool
+
+    with pytest.raises(SystemExit):
+        tool.main(argv)
+    assert message in capsys.readouterr().err

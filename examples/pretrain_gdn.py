@@ -680,7 +680,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
                                   paired_every=paired_every))
         if rank == 0:
             title = "examples/pretrain_gdn.py: " + setup
-            table = pretrain_report.write_outputs(args.out, runs, setup, _wrap(title, 110))
+            table = pretrain_report.write_outputs(
+                args.out, runs, setup, _wrap(title, 110),
+                pretrain_report.run_environment(getattr(args, "command_line", None)))
             print("\n" + table, flush=True)
             print(f"\nwrote {args.out}/summary.txt, losses.csv, loss_curves.png, run_*.json",
                   flush=True)
@@ -728,6 +730,7 @@ def check_config(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = resolve_defaults(build_parser().parse_args(argv))
     check_config(args)
+    args.command_line = [__file__, *(sys.argv[1:] if argv is None else argv)]  # for the report
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

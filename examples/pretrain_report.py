@@ -9,10 +9,15 @@ The first run is the reference (flag off); every other run is compared with it s
 from __future__ import annotations
 
 import csv
+import datetime
+import importlib.metadata
 import json
 import math
 import os
+import platform
 import re
+import statistics
+import sys
 from typing import Optional
 
 THROUGHPUT_SKIP = 0.1  # the first 10 % of steps (at least 2) are warm-up: not timed
@@ -24,10 +29,31 @@ def tokens_per_second(run: dict) -> float:
     """Tokens per step / the median step time after warm-up (robust to a busy machine)."""
     times = run["step_times"]
     skip = min(max(2, int(len(times) * THROUGHPUT_SKIP)), max(len(times) - 1, 0))
-    timed = sorted(times[skip:])
-    mid = len(timed) // 2
-    median = timed[mid] if len(timed) % 2 else 0.5 * (timed[mid - 1] + timed[mid])
-    return run["tokens_per_step"] / max(median, 1e-12)
+    return run["tokens_per_step"] / max(statistics.median(times[skip:]), 1e-12)
+
+
+def run_environment(argv: Optional[list] = None) -> dict:
+    """What a result needs to be reproduced: date, versions and the command line."""
+    def version(dist: str) -> Optional[str]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    import torch
+    import triton
+
+    argv = sys.argv if argv is None else argv
+    return {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "megatron_core": version("megatron-core"), "fla_core": version("fla-core"),
+            "command": " ".join(["python", os.path.relpath(argv[0]) if argv else "", *argv[1:]])}
+
+
+def environment_line(env: dict) -> str:
+    versions = ", ".join(f"{name.replace('_', '-')} {env[name]}" for name in
+                         ("python", "torch", "triton", "megatron_core", "fla_core") if env.get(name))
+    return f"{env['date']}; {versions}; {env['command']}"
 
 
 def ulp(x: float) -> float:
@@ -230,21 +256,24 @@ def plot(path: str, runs: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(out_dir: str, runs: list[dict], setup: str, title: str) -> str:
+def write_outputs(out_dir: str, runs: list[dict], setup: str, title: str,
+                  env: Optional[dict] = None) -> str:
     """Writes run_<label>.json, losses.csv, summary.txt and loss_curves.png; returns the table.
     The run files and the plot of an earlier run into ``out_dir`` are removed first, so the
-    folder holds this run's only."""
+    folder holds this run's only. ``env`` (run_environment) goes into every run file and ends
+    summary.txt."""
+    env = env or run_environment()
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):
         if (name.startswith("run_") and name.endswith(".json")) or name == "loss_curves.png":
             os.remove(os.path.join(out_dir, name))
     for r in runs:
         with open(os.path.join(out_dir, f"run_{_file_label(r['label'])}.json"), "w") as f:
-            json.dump(r, f, indent=1)
+            json.dump({**r, "env": env}, f, indent=1)
     write_csv(os.path.join(out_dir, "losses.csv"), runs)
     table = summary_table(runs, setup)
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-        f.write(table + "\n")
+        f.write(f"{table}\n\n{environment_line(env)}\n")
     try:
         plot(os.path.join(out_dir, "loss_curves.png"), runs, title)
     except ImportError:

@@ -290,7 +290,7 @@ def _fmt(value, spec: str) -> str:
 
 def table(summary: dict) -> str:
     lines = [f"{summary['device']}; {summary['steps']} iterations, seed {summary['seed']}, "
-             f"checkpoints {summary['ckpt_format']}, GDN kernels {summary['gdn_kernels']}"]
+             f"checkpoints {summary['ckpt_format']}, GDN kernels {summary.get('gdn_kernels', 'n/a')}"]
     head = (f"{'pair':<22}{'GDN fused':>10}{'bitwise':>9}{'max|dL| 1-10':>14}{'max|dL|':>10}"
             f"{'last-10 mean off/on':>22}{'tok/s off/on':>20}{'fwd kept MiB off/on':>22}")
     lines += [head, "-" * len(head)]
@@ -347,9 +347,13 @@ def main(argv=None) -> dict:
                 "--load", os.path.join(ckpt, saver), "--ckpt-step", str(args.save_at)])
             same_flag = runs[f"tp{tp}_{'on' if fused else 'off'}"]
             resumes[name] = resume_summary(runs[saver], runs[name], same_flag, args.save_at)
+    sys.path.insert(0, HERE)
+    from pretrain_report import run_environment
+
     summary = {
         "device": runs[next(iter(runs))]["device"],
         "torch": torch.__version__,
+        "env": run_environment([__file__, *(sys.argv[1:] if argv is None else argv)]),
         "steps": args.steps, "save_at": args.save_at, "seed": args.seed,
         "ckpt_format": args.ckpt_format, "gdn_kernels": args.gdn_kernels,
         "pairs": {f"tp{tp}" + (" +SP +recompute" if tp > 1 else ""):

@@ -58,6 +58,10 @@ def _run(out, *extra):
     for name in ("summary.txt", "losses.csv", "loss_curves.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     assert "max |dloss|" in proc.stdout
+    # what reproduces the result: versions, date and the command line
+    last_line = open(os.path.join(out, "summary.txt")).read().splitlines()[-1]
+    assert "megatron-core 0.19" in last_line and "python examples/pretrain_gdn.py --compare" in last_line
+    assert all(run["env"]["command"] == runs[0]["env"]["command"] for run in runs)
     return runs
 
 

@@ -156,6 +156,8 @@ def test_pairs_through_megatrons_training_loop(tmp_path):
         summary = json.load(f)
     assert summary["ckpt_format"] == "torch_dist" and summary["steps"] == STEPS
     assert summary["gdn_kernels"] == "torch"  # auto without a GPU: megatron's torch chunk rule
+    assert summary["env"]["megatron_core"].startswith("0.19")
+    assert summary["env"]["command"].startswith("python examples/run_megatron_pairs.py --out")
     assert "--deterministic-mode" in (out / "logs" / "tp1_on.log").read_text().splitlines()[0]
 
     assert list(summary["pairs"]) == ["tp1"]

@@ -3,8 +3,7 @@ of its arithmetic with one addressing or cache choice switched at a time: a grid
 one block per program, 64-bit offsets per element or one 64-bit base per block with 32-bit
 offsets inside, ``evict_first`` loads, ``.cs`` (streaming) stores. Every variant is checked bit
 for bit against ours and timed (do_bench median) with the % of the copy ceiling measured in the
-same run. It changes nothing in the product; docs/design.md says what the shipped kernel took
-from it.
+same run. docs/design.md (Launch choices) says what the shipped kernel took from it.
 
     python tools/forward_variants.py [--out DIR]      # -> DIR/forward_variants.json
 """

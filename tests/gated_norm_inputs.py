@@ -1,7 +1,7 @@
 """Inputs shared by the gated norm's tests and GPU checks: the device they run on, the eps, and
 random [B, S, H, D] activations, gate and weight (make_inputs; make_grad_inputs for a backward
 at GPU sizes), plus the strided layouts Megatron hands the kernels (a gate sliced from a packed
-projection, a [B, S, H, D] view of an [S, B, H, D] buffer).
+projection, a [B, S, H, D] view of an [S, B, H, D] buffer, an address off 16-byte alignment).
 
 Import it as ``tests.gated_norm_inputs`` from the repository root (``python -m pytest`` puts it
 on sys.path; tests/__init__.py makes ``tests`` a regular package, so no other installed
@@ -58,13 +58,24 @@ def make_grad_inputs(shape, variant="plain", dtype=torch.bfloat16, seed=0, devic
     return x, gate, weight, dy, (*leaves, weight)
 
 
-def packed_projection_gate(shape, dtype, seed=0):
-    """A gate of [B, S, H, D] ``shape`` as the middle slice of a packed [B, S, 3 * H * D]
-    projection: token-strided, read in place by the kernels."""
+def packed_projection_gate(shape, dtype, seed=0, misalign=0):
+    """A gate of [B, S, H, D] ``shape`` as the middle slice of a packed [B, S, 3 * H * D +
+    misalign] projection: token-strided, read in place by the kernels; ``misalign`` elements
+    later than H * D (1: an address that is not 16-byte aligned, another compiled kernel)."""
     batch, seq, heads, dim = shape
     gen = torch.Generator().manual_seed(seed + 100)
-    proj = torch.randn(batch, seq, 3 * heads * dim, generator=gen).to(DEVICE, dtype)
-    return proj[..., heads * dim: 2 * heads * dim].view(batch, seq, heads, dim)
+    proj = torch.randn(batch, seq, 3 * heads * dim + misalign, generator=gen).to(DEVICE, dtype)
+    start = heads * dim + misalign
+    return proj[..., start: start + heads * dim].view(batch, seq, heads, dim)
+
+
+def shifted(t, elements=1):
+    """A contiguous copy of ``t`` that starts ``elements`` past the start of its buffer (1: not
+    16-byte aligned)."""
+    buffer = t.new_empty(t.numel() + elements)
+    view = buffer[elements:].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 def sbhd_view(t):

@@ -27,7 +27,7 @@ from triton.runtime.jit import JITFunction, native_specialize_impl
 import core.fusions.direct_launch as direct_launch
 import core.fusions.fused_gated_norm as fgn
 from core.fusions.direct_launch import DirectLauncher, parameter_names
-from tests.gated_norm_inputs import DEVICE, EPS, make_inputs
+from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate
 
 
 class FakeCompiled:
@@ -279,13 +279,10 @@ def test_table_is_bounded(fake_driver, monkeypatch):
 def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     """First call through JITFunction.run, the second direct on a GPU; the same bits either way,
     also for a gate whose address is not 16-byte aligned (another compiled kernel)."""
-    gen = torch.Generator().manual_seed(0)
-    packed = torch.randn(2, 5, 2 * 4 * 64 + 1, generator=gen).to(DEVICE, torch.bfloat16)
-    start = 4 * 64 + gate_offset
-    gate = packed[..., start:start + 4 * 64].view(2, 5, 4, 64)  # a packed projection's slice
-    x = torch.randn(2, 5, 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(DEVICE, torch.bfloat16)
-    dy = torch.randn(2, 5, 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    gate = packed_projection_gate((2, 5, 4, 64), torch.bfloat16, misalign=gate_offset)
+    assert (gate.data_ptr() % 16 == 0) == (gate_offset == 0)
+    x, _, weight = make_inputs((2, 5, 4, 64), torch.bfloat16)
+    dy = make_inputs((2, 5, 4, 64), torch.bfloat16, seed=1)[0]
     for launcher in (fgn.launch_forward, fgn.launch_backward):
         monkeypatch.setattr(launcher, "compiled", {})  # the first call below compiles or binds
     fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls

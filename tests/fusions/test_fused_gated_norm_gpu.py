@@ -18,7 +18,7 @@ from tests.gated_norm_checks import (
     assert_no_less_accurate,
     float64_grads,
 )
-from tests.gated_norm_inputs import EPS, make_grad_inputs
+from tests.gated_norm_inputs import EPS, make_grad_inputs, shifted
 from tools.bench_common import capture
 from tools.parity_sources import parity_sources
 
@@ -144,11 +144,10 @@ def test_d256_blocks_with_the_same_row_layout_give_the_same_bits(dtype, offset):
     """D = 256's launch block (4 rows x 4 warps) against the rule's (8 x 4): the same layout
     along a row (tests/tools/test_kernel_ir.py, on the CPU), so the same bits."""
     shape = (4, 4096, 16, 256)
-    numel = 4 * 4096 * 16 * 256
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(numel + 1, device="cuda", generator=gen).to(dtype)[offset:offset + numel].view(shape)
-    gate = torch.randn(shape, device="cuda", generator=gen).to(dtype)
-    weight = (1 + 0.2 * torch.randn(256, device="cuda", generator=gen)).to(dtype)
+    x, gate, weight, _, _ = make_grad_inputs(shape, dtype=dtype)
+    x, gate, weight = x.detach(), gate.detach(), weight.detach()
+    if offset:
+        x = shifted(x, offset)
     assert tuple(fgn.forward_launch(256, torch.device("cuda"))[:2]) != (8, 4)
     default = fgn.forward_impl(x, gate, weight, EPS)
     rule = fgn.forward_impl(x, gate, weight, EPS, bt=8, warps=4)

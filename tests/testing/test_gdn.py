@@ -1,5 +1,5 @@
-"""Helpers of core.testing.gdn and core.testing.gdn_layer_tp: the capturable stand-in of the
-gated delta rule and the norm-call counters the harnesses and the example rely on."""
+"""Helpers of core.testing.gdn: the capturable stand-in of the gated delta rule and the
+fused-norm call counter the harnesses and the example rely on."""
 
 import pytest
 import torch
@@ -27,21 +27,6 @@ def test_capturable_rule_equals_megatrons_chunk_rule():
     got = recurrent_gated_delta_rule(q, k, v, g, beta)[0]
     assert got.shape == expected.shape
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
-
-
-def test_counting_norm_calls_counts_each_run_of_the_norm_code_and_restores_it():
-    """The counter the CUDA-graph harnesses use to tell a replayed step (no Python norm call)
-    from an eager one."""
-    from core.testing.gdn_layer_tp import counting_norm_calls
-
-    original = gdn_mod.GatedDeltaNet._apply_gated_norm
-    module = build_gdn_module(gdn_config(fused_gated_norm=True))
-    x, _ = layer_inputs(24, 2, 64, seed=3)
-    with counting_norm_calls() as calls, torch.no_grad():
-        module(x, attention_mask=None)
-        module(x, attention_mask=None)
-    assert len(calls) == 2
-    assert gdn_mod.GatedDeltaNet._apply_gated_norm is original
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])

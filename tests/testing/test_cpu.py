@@ -1,0 +1,59 @@
+"""The CPU shims of core.testing.cpu that stand in for what megatron runs on a GPU: FLA's
+convolution and chunked gated delta rule (against FLA's own convolution in the Triton
+interpreter and an independent recurrent rule), and the training shims' CUDA literals."""
+
+import importlib
+
+import pytest
+import torch
+
+from core.testing.cpu import torch_causal_conv1d, torch_chunk_gated_delta_rule
+from core.testing.gdn import recurrent_gated_delta_rule
+
+pytestmark = pytest.mark.cpu_shims
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_sequence", "packed"])
+def test_causal_conv1d_stand_in_equals_flas(packed):
+    from fla.modules.convolution import causal_conv1d
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(1, 20, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    bias = torch.randn(8, generator=gen)
+    cu_seqlens = torch.tensor([0, 7, 20], dtype=torch.int32) if packed else None
+    kwargs = dict(x=x, weight=weight, bias=bias, activation="silu", cu_seqlens=cu_seqlens)
+    expected, got = causal_conv1d(**kwargs)[0], torch_causal_conv1d(**kwargs)[0]
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_rule_stand_in_runs_each_packed_sequence_on_its_own():
+    """Against the recurrent rule on each sequence alone: a state leaking across the boundary of
+    two packed sequences would change the second one."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, dk, dv = 70, 2, 16, 8
+    q, v = torch.randn(1, t, h, dk, generator=gen), torch.randn(1, t, h, dv, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, dk, generator=gen), dim=-1)
+    g, beta = -torch.rand(1, t, h, generator=gen), torch.rand(1, t, h, generator=gen)
+    got = torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 30, t]))[0]
+    expected = torch.cat([recurrent_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e],
+                                                     beta[:, s:e])[0]
+                          for s, e in ((0, 30), (30, t))], dim=1)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    whole = torch_chunk_gated_delta_rule(q, k, v, g, beta)[0]
+    assert not torch.allclose(whole[:, 30:], expected[:, 30:])
+
+
+def test_training_modules_allocate_cuda_literals_on_the_cpu():
+    optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
+    assert optimizer_module.torch.zeros(2, device="cuda").device == torch.device("cpu")
+    assert torch.zeros(2).device == torch.device("cpu")  # the real torch elsewhere
+
+
+@pytest.mark.usefixtures("model_parallel_tp1")
+def test_torch_fsdp2_wrapper_builds_its_mesh_on_the_cpu():
+    from megatron.core import parallel_state
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
+
+    mesh = torch_fsdp2.DeviceMesh.from_group(parallel_state.get_data_parallel_group(), "cuda")
+    assert mesh.device_type == "cpu"

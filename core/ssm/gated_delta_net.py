@@ -258,16 +258,17 @@ def fsdp_copy_tagged(param: torch.nn.Parameter, tag: str, index: Optional[int]) 
     return getattr(dist_param, "orig_param", None) is param and getattr(dist_param, tag, False) is True
 
 
-def torch_fsdp2_sharded_param(module: torch.nn.Module, name: str) -> Optional[torch.nn.Parameter]:
-    """The parameter torch FSDP2 (``fully_shard``; megatron's ``TorchFullyShardedDataParallel``,
-    ``--use-torch-fsdp2``) registers as ``module.<name>`` outside the forward, when what is
-    registered now is FSDP2's unsharded parameter, else None.
+def torch_fsdp2_param(module: torch.nn.Module, name: str):
+    """torch FSDP2's record (``FSDPParam``) of ``module.<name>`` when what is registered there
+    now is FSDP2's unsharded parameter, else None. Its ``sharded_param`` is what FSDP2 registers
+    outside the forward and what finalize_model_grads reduces.
 
-    During a forward FSDP2 puts on the module an unsharded parameter of its own, made without the
-    original's attributes; megatron's wrapper copies those (the TP tag among them) onto the
-    sharded parameter, which is what finalize_model_grads reduces. FSDP2 keeps no link from one to
-    the other, so its states are searched (torch's private ``_module_state_mapping`` and
-    ``FSDPParam``, torch 2.4 to 2.13: a torch without them gives None)."""
+    With ``fully_shard`` (megatron's ``TorchFullyShardedDataParallel``, ``--use-torch-fsdp2``)
+    the forward runs on an unsharded parameter that FSDP2 made without the original's attributes;
+    megatron's wrapper copies those (the TP tag among them) onto the sharded one. FSDP2 keeps no
+    link from one to the other, so its states are searched (torch's private
+    ``_module_state_mapping`` and ``FSDPParam``, torch 2.4 to 2.13: a torch without them gives
+    None)."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:
@@ -282,9 +283,12 @@ def torch_fsdp2_sharded_param(module: torch.nn.Module, name: str) -> Optional[to
         for group in groups:
             for fsdp_param in getattr(group, "fsdp_params", ()):
                 info = getattr(fsdp_param, "_module_info", None)
-                if (info is not None and info.module is module and info.param_name == name
-                        and getattr(fsdp_param, "_unsharded_param", None) is current):
-                    return fsdp_param.sharded_param
+                if info is None or getattr(fsdp_param, "_unsharded_param", None) is not current:
+                    continue
+                owners = zip([info.module, *getattr(info, "shared_modules", ())],
+                             [info.param_name, *getattr(info, "shared_param_names", ())])
+                if any(owner is module and owner_name == name for owner, owner_name in owners):
+                    return fsdp_param
     return None
 
 
@@ -380,10 +384,15 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                 weight, TP_AVG_TAG, self.__dict__.get("_fsdp_tag_index")):
             self.__dict__["_fsdp_tag_index"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
         if not getattr(weight, TP_AVG_TAG, False):
-            sharded = torch_fsdp2_sharded_param(self.out_norm, "weight")
-            if sharded is not None and getattr(sharded, TP_AVG_TAG, False):
-                # FSDP2 keeps its unsharded parameter from step to step: searched once.
-                setattr(weight, TP_AVG_TAG, True)
+            # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
+            # record is searched once (FSDP2 keeps both from step to step); the sharded
+            # parameter is read on every forward, as it may be replaced (load_state_dict).
+            known = self.__dict__.get("_fsdp2_param")
+            fsdp_param = known() if known is not None else None
+            if fsdp_param is None or getattr(fsdp_param, "_unsharded_param", None) is not weight:
+                fsdp_param = torch_fsdp2_param(self.out_norm, "weight")
+                self.__dict__["_fsdp2_param"] = None if fsdp_param is None else weakref.ref(fsdp_param)
+            if fsdp_param is not None and getattr(fsdp_param.sharded_param, TP_AVG_TAG, False):
                 return
             raise RuntimeError(
                 f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "

@@ -164,21 +164,31 @@ def _step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
 def _torch_fsdp2_step(module, grad_reduce_in_fp32: bool, x: torch.Tensor, dy: torch.Tensor,
                       distributed_optimizer: bool = False) -> dict:
     """megatron's torch FSDP2 wrapper (TorchFullyShardedDataParallel, ``--use-torch-fsdp2``),
-    forward, backward, stock finalize_model_grads; the out_norm gradient before and after."""
+    forward, backward, stock finalize_model_grads; the out_norm gradient before and after. Then
+    the weight is replaced as ``load_state_dict(assign=True)`` does (FSDP2 takes a new sharded
+    parameter, without the tag) and one more forward runs: what it raised, if anything."""
     from megatron.core.distributed import (DistributedDataParallelConfig,
                                            TorchFullyShardedDataParallel, finalize_model_grads)
 
-    model = TorchFullyShardedDataParallel(config=module.config, module=module,
-                                          ddp_config=DistributedDataParallelConfig())
+    model = TorchFullyShardedDataParallel(
+        config=module.config, module=module,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32))
     out = model(x.contiguous(), attention_mask=None)[0]
     out.backward(dy.contiguous())
     weight = module.out_norm.weight  # FSDP2's sharded parameter again, the one finalize reduces
     before = weight.grad.full_tensor().clone()
     finalize_model_grads([model])
-    return dict(out=out.detach().float().cpu(), before=before.float().cpu(),
-                after=weight.grad.full_tensor().clone().cpu(),
-                grad_scale=module.out_norm_weight_grad_scale,
-                avg_tag=bool(getattr(weight, "average_gradients_across_tp_domain", False)))
+    after = weight.grad.full_tensor().clone()
+    avg_tag = bool(getattr(weight, "average_gradients_across_tp_domain", False))
+    module.out_norm.load_state_dict(module.out_norm.state_dict(), assign=True)
+    try:
+        model(x.contiguous(), attention_mask=None)
+        replaced_error = None
+    except RuntimeError as exc:
+        replaced_error = str(exc)
+    return dict(out=out.detach().float().cpu(), before=before.float().cpu(), after=after.cpu(),
+                grad_scale=module.out_norm_weight_grad_scale, avg_tag=avg_tag,
+                replaced_error=replaced_error)
 
 
 # fp32 cases under megatron's torch FSDP2 wrapper (results named "torch-fsdp2-<case>"; CPU runs).

@@ -143,7 +143,8 @@ def test_tp_output_matches_tp1(tp_results, case):
 @pytest.mark.parametrize("case", TORCH_FSDP2_CASES, ids=[case_name(c) for c in TORCH_FSDP2_CASES])
 def test_out_norm_grad_under_torch_fsdp2_matches_tp1(tp_results, case):
     """FSDP2 runs the forward on an unsharded parameter of its own, without the TP tag; the
-    module finds the sharded parameter that carries it, and finalize completes the sum."""
+    module finds the sharded parameter that carries it, and finalize completes the sum. A weight
+    replaced after a step by one without the tag is refused at the next forward (SP off)."""
     tp, ref, ranks = tp_results
     name = f"torch-fsdp2-{case_name(case)}"
     expected = ref[ref_key(case)]["dw"]
@@ -154,4 +155,8 @@ def test_out_norm_grad_under_torch_fsdp2_matches_tp1(tp_results, case):
         err = rel_err(got["after"], expected)
         assert err <= tolerance(case), f"{name} TP {tp} rank {rank}: rel err {err:.2e}"
         assert torch.equal(got["after"], ranks[0][name]["after"])
+        if case["sequence_parallel"]:  # megatron sums it: no tag to lose
+            assert got["replaced_error"] is None
+        else:
+            assert "lost its average_gradients_across_tp_domain tag" in got["replaced_error"]
     assert not torch.allclose(ranks[0][name]["before"], ranks[1][name]["before"])  # partials

@@ -93,8 +93,9 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
 
     A spec *function* (what megatron.training's ``GPTModelConfig`` and Megatron-Bridge's
     providers take as ``transformer_layer_spec``, e.g.
-    ``get_transformer_block_with_experimental_attention_variant_spec``) gives a function with
-    its signature (``vp_stage`` included) that calls it and replaces in what it returns. A string
+    ``get_transformer_block_with_experimental_attention_variant_spec`` or a ``functools.partial``
+    of one) gives a function with its signature (``vp_stage`` included) that calls it and
+    replaces in what it returns. A string
     is refused (TypeError): it is not a spec, and returning it unchanged would hide that."""
     if isinstance(spec, (str, bytes)):
         raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
@@ -102,13 +103,23 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
     pairs = tuple(replacements.items())
     if not pairs:
         return spec
-    if (inspect.isfunction(spec) or inspect.ismethod(spec)) and _replacement(spec, pairs) is _NO_REPLACEMENT:
+    if _is_spec_function(spec) and _replacement(spec, pairs) is _NO_REPLACEMENT:
         @functools.wraps(spec)
         def spec_with_replacements(*args, **kwargs):
             return _replace(spec(*args, **kwargs), pairs, {})
 
         return spec_with_replacements
     return _replace(spec, pairs, {})
+
+
+def _is_spec_function(spec: Any) -> bool:
+    """A callable that builds a spec (a function, a bound method, a ``functools.partial`` of a
+    function, an object with ``__call__``), not a spec node: a class (the module itself), a
+    partial of a class (megatron's MLP / MoE builders), a ModuleSpec or another dataclass."""
+    if isinstance(spec, functools.partial):
+        return not inspect.isclass(spec.func)
+    return (callable(spec) and not inspect.isclass(spec) and not isinstance(spec, ModuleSpec)
+            and not dataclasses.is_dataclass(spec))
 
 
 def _replacement(node: Any, pairs) -> Any:

@@ -102,20 +102,40 @@ def test_bare_class_import_path_and_foreign_subclass():
     assert use_fused_gdn(theirs) is theirs
 
 
-def test_spec_function_gives_a_spec_function_with_its_signature():
+class _SpecBuilder:
+    def __call__(self, config, vp_stage=None):
+        return mexp.get_transformer_block_with_experimental_attention_variant_spec(
+            config, vp_stage=vp_stage)
+
+
+@pytest.mark.parametrize("kind", ["function", "partial", "callable_object"])
+def test_spec_function_gives_a_spec_function_with_its_signature(kind):
     """megatron.training's GPTModelConfig and Megatron-Bridge's providers take a spec function as
-    transformer_layer_spec and call it with vp_stage when its signature has one."""
+    transformer_layer_spec (Bridge's are often functools.partial) and call it with vp_stage when
+    its signature has one."""
+    import functools
     import inspect
 
     megatron_fn = mexp.get_transformer_block_with_experimental_attention_variant_spec
-    fused_fn = use_fused_gdn(megatron_fn)
-    assert callable(fused_fn) and fused_fn is not megatron_fn
-    assert inspect.signature(fused_fn) == inspect.signature(megatron_fn)
+    spec_fn = {"function": megatron_fn, "partial": functools.partial(megatron_fn, pp_rank=None),
+               "callable_object": _SpecBuilder()}[kind]
+    fused_fn = use_fused_gdn(spec_fn)
+    assert callable(fused_fn) and fused_fn is not spec_fn
+    assert inspect.signature(fused_fn) == inspect.signature(spec_fn)
     assert "vp_stage" in inspect.signature(fused_fn).parameters
     config = _config()
     with megatron_te_spec_builders():
-        spec, fused = megatron_fn(config, vp_stage=None), fused_fn(config, vp_stage=None)
+        spec, fused = spec_fn(config, vp_stage=None), fused_fn(config, vp_stage=None)
     assert compare_gdn_swap(spec, fused) == 2
+
+
+def test_a_partial_of_a_module_class_stays_a_spec_node():
+    """megatron's MLP / MoE builders are partials of a class: their arguments are rewritten, they
+    are not wrapped as spec functions."""
+    import functools
+
+    builder = functools.partial(ModuleSpec, module=MegatronGDN)
+    assert use_fused_gdn(builder).keywords["module"] is GatedDeltaNet
 
 
 @pytest.mark.parametrize("spec", ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", b"GDN"])

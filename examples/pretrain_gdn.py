@@ -167,10 +167,12 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("eval_batches", "paired_check_every"):  # 0: none
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    shortest = min(len(split) for split in pretrain_data.load_corpus())
-    if args.seq_length + 2 > shortest:  # a window is seq_length + 1 tokens, drawn from [0, high)
-        raise SystemExit(f"--seq-length must be at most {shortest - 2} (the shorter split of the "
-                         f"corpus, the held-out one, has {shortest} tokens), got {args.seq_length}")
+    train, held_out = pretrain_data.load_corpus()
+    splits = [("training", len(train))] + ([("held-out", len(held_out))] if args.eval_batches else [])
+    for split, tokens in splits:  # a window is seq_length + 1 tokens, its start in [0, high)
+        if args.seq_length + 2 > tokens:
+            raise SystemExit(f"--seq-length must be at most {tokens - 2} (the {split} split of the "
+                             f"corpus has {tokens} tokens), got {args.seq_length}")
     if args.num_attention_heads % args.num_query_groups:
         raise SystemExit(f"--num-attention-heads {args.num_attention_heads} must be a multiple "
                          f"of --num-query-groups {args.num_query_groups}")

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 from typing import Optional
@@ -32,8 +33,27 @@ def tokens_per_second(run: dict) -> float:
     return run["tokens_per_step"] / max(statistics.median(times[skip:]), 1e-12)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command_line(argv: list) -> str:
+    """``argv`` (the script's path first) as a shell command run from the repository root;
+    under torchrun, with its launcher and the process count."""
+    if not argv:
+        raise ValueError("command_line: argv must start with the script's path")
+    script = os.path.relpath(os.path.abspath(argv[0]), ROOT)
+    launcher = ["python"]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+        launcher = ["torchrun", f"--nproc-per-node={local}"]
+        if world != local:
+            launcher.append(f"--nnodes={int(world) // int(local)}")
+    return shlex.join([*launcher, script, *argv[1:]])
+
+
 def run_environment(argv: Optional[list] = None) -> dict:
-    """What a result needs to be reproduced: date, versions and the command line."""
+    """What a result needs to be reproduced: date, versions and the command line (from the
+    repository root)."""
     def version(dist: str) -> Optional[str]:
         try:
             return importlib.metadata.version(dist)
@@ -47,7 +67,7 @@ def run_environment(argv: Optional[list] = None) -> dict:
     return {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
             "torch": torch.__version__, "triton": triton.__version__,
             "megatron_core": version("megatron-core"), "fla_core": version("fla-core"),
-            "command": " ".join(["python", os.path.relpath(argv[0]) if argv else "", *argv[1:]])}
+            "command": command_line(argv)}
 
 
 def environment_line(env: dict) -> str:

@@ -352,7 +352,6 @@ def main(argv=None) -> dict:
 
     summary = {
         "device": runs[next(iter(runs))]["device"],
-        "torch": torch.__version__,
         "env": run_environment([__file__, *(sys.argv[1:] if argv is None else argv)]),
         "steps": args.steps, "save_at": args.save_at, "seed": args.seed,
         "ckpt_format": args.ckpt_format, "gdn_kernels": args.gdn_kernels,

@@ -200,8 +200,10 @@ def test_cpu_threads_default_and_validation(monkeypatch):
      "--seq-length 33 must be divisible by --tp 2"),
     (["--eval-batches", "-2"], "--eval-batches must be >= 0, got -2"),
     (["--paired-check-every", "-1"], "--paired-check-every must be >= 0, got -1"),
-    (["--seq-length", "14000"], r"--seq-length must be at most 13065 \(the shorter split of the "
-                                r"corpus, the held-out one, has 13067 tokens\), got 14000"),
+    (["--seq-length", "14000"], r"--seq-length must be at most 13065 \(the held-out split of the "
+                                r"corpus has 13067 tokens\), got 14000"),
+    (["--seq-length", "300000", "--eval-batches", "0"],
+     r"--seq-length must be at most 248262 \(the training split of the corpus has 248264 tokens\)"),
     (["--num-query-groups", "3"], "--num-attention-heads 4 must be a multiple of --num-query-groups 3"),
     # megatron's own rules, from its config, before any rank is spawned
     (["--tp", "3"], r"megatron refuses these model settings: num_attention_heads \(4\) must be a "
@@ -216,6 +218,14 @@ def test_bad_arguments_stop_before_a_model_is_built(monkeypatch, argv, message):
     monkeypatch.setattr(example, "HAS_CUDA", False)
     with pytest.raises(SystemExit, match=message):
         example.check_config(example.resolve_defaults(example.build_parser().parse_args(argv)))
+
+
+def test_long_sequences_without_held_out_evaluation(monkeypatch):
+    """Without held-out batches only the training split bounds the sequence length."""
+    example = _load_example("pretrain_gdn")
+    monkeypatch.setattr(example, "HAS_CUDA", False)
+    parse = example.build_parser().parse_args
+    assert example.resolve_defaults(parse(["--eval-batches", "0", "--seq-length", "20000"])).seq_length == 20000
 
 
 def test_warmup_default_leaves_a_decay_step(monkeypatch):
@@ -255,3 +265,21 @@ def test_report_leaves_only_this_runs_files(tmp_path):
     report.write_outputs(str(tmp_path), [_report_run("on", [2.0, 1.5, 1.0])], "setup", "title")
     assert sorted(p.name for p in tmp_path.glob("run_*.json")) == ["run_on.json"]
     assert json.loads((tmp_path / "run_on.json").read_text())["steps"] == 3
+
+
+def test_recorded_command_runs_from_the_repository_root(monkeypatch, tmp_path):
+    """Whatever the working directory: the script's path from the repository root, arguments
+    quoted for a shell, and torchrun's launcher under torchrun."""
+    report = _load_example("pretrain_report")
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    argv = [SCRIPT, "--out", "my runs/x", "--tp", "2"]
+    assert report.command_line(argv) == "python examples/pretrain_gdn.py --out 'my runs/x' --tp 2"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert report.command_line([SCRIPT, "--tp", "8"]) == (
+        "torchrun --nproc-per-node=4 --nnodes=2 examples/pretrain_gdn.py --tp 8")
+    with pytest.raises(ValueError, match="argv must start with the script's path"):
+        report.command_line([])

@@ -1,4 +1,6 @@
-"""Summary table, CSV and loss-curve PNG of examples/pretrain_gdn.py (rank 0 only).
+"""Summary table, CSV and loss-curve PNG of examples/pretrain_gdn.py (rank 0 only), and what
+every example result records to be reproduced (``run_environment``: date, versions, command
+line; run_megatron_pairs.py's summary too).
 
 A run result is a plain dict (also written as JSON):
     {"label", "fused_gated_norm", "out_norm_nudged", "steps", "losses": [per step],

@@ -15,7 +15,8 @@ Everything is megatron's except three functions, written as megatron 0.19's pret
 writes them: the model is a ``GPTModelConfig`` (megatron's ``gpt_config_from_args``) whose
 transformer config is ``core.training.transformer_config_from_args(args)`` and whose layer spec is
 megatron's GDN block spec passed through ``core.models.gdn_specs.use_fused_gdn``
-(:func:`gdn_block_spec`; a post-wrap hook runs ``assert_fused_gdn`` on the built model);
+(:func:`gdn_block_spec`; ``--spec MODULE NAME``, megatron's option, passes that spec through it
+instead; a post-wrap hook runs ``assert_fused_gdn`` on the built model);
 :func:`forward_step` (megatron's TP broadcast of the batch, masked token loss) and
 :func:`train_valid_test_datasets_provider` (megatron's ``BlendedMegatronDatasetBuilder`` with
 ``GPTDataset`` on ``--data-path``, or ``MockGPTDataset`` with ``--mock-data``). Logging, LR
@@ -80,6 +81,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 from core.models.gdn_specs import (  # noqa: E402
+    HAVE_TE,
     assert_fused_gdn,
     get_gdn_hybrid_block_spec,
     use_fused_gdn,
@@ -117,6 +119,9 @@ def check_launcher_scope(args) -> None:
         raise ValueError("examples/pretrain_gdn_megatron.py trains a GDN hybrid: pass "
                          "--experimental-attention-variant gated_delta_net (and "
                          "--linear-attention-freq)")
+    if args.transformer_impl == "transformer_engine" and not HAVE_TE:
+        raise ValueError("--transformer-impl transformer_engine (megatron's default) needs "
+                         "Transformer Engine, which is not installed: pass --transformer-impl local")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,23 +130,14 @@ def check_launcher_scope(args) -> None:
 
 
 def gdn_block_spec(model_config, vp_stage=None):
-    """The layer spec of the GDN hybrid GPT, with our GatedDeltaNet (``use_fused_gdn``).
-
-    ``--transformer-impl transformer_engine``: megatron's own spec of the gated_delta_net
-    attention variant. ``local`` (no Transformer Engine): megatron has no GDN spec without TE
-    (its GDN in_proj is TE's norm-fused linear), so ``core.models.get_gdn_hybrid_block_spec``
-    builds the same layer pattern from megatron's local modules."""
+    """The layer spec of the GDN hybrid GPT, with our GatedDeltaNet
+    (``core.models.get_gdn_hybrid_block_spec``). ``--transformer-impl transformer_engine``:
+    ``use_fused_gdn`` of megatron's own spec of the gated_delta_net attention variant. ``local``
+    (no Transformer Engine): megatron has no GDN spec without TE (its GDN in_proj is TE's
+    norm-fused linear), so the same layer pattern is built from megatron's local modules."""
     config = model_config.transformer
-    if config.transformer_impl == "transformer_engine":
-        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-            get_transformer_block_with_experimental_attention_variant_spec,
-        )
-
-        spec = get_transformer_block_with_experimental_attention_variant_spec(
-            config=config, vp_stage=vp_stage)
-    else:
-        spec = get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage)
-    return use_fused_gdn(spec)
+    return get_gdn_hybrid_block_spec(config, use_te=config.transformer_impl == "transformer_engine",
+                                     vp_stage=vp_stage)
 
 
 _GDN_LAYERS: dict = {}  # filled by check_fused_gdn, written to --gdn-metrics-out
@@ -158,9 +154,16 @@ def check_fused_gdn(model_chunks):
 
 
 def model_config_from_args(args):
-    """megatron's GPTModelConfig from the command line, with our transformer config and spec."""
+    """megatron's GPTModelConfig from the command line, with our transformer config and spec:
+    ``--spec`` (megatron's: a spec or spec function by module and name) through
+    ``use_fused_gdn``, else :func:`gdn_block_spec`."""
     model_config = gpt_config_from_args(args, config=transformer_config_from_args(args))
-    model_config.transformer_layer_spec = gdn_block_spec
+    if args.spec is None:
+        model_config.transformer_layer_spec = gdn_block_spec
+    elif model_config.transformer_layer_spec is None:  # megatron logs the import error and goes on
+        raise ValueError(f"--spec {' '.join(args.spec)}: megatron could not import it")
+    else:
+        model_config.transformer_layer_spec = use_fused_gdn(model_config.transformer_layer_spec)
     model_config.post_wrap_hooks.append(check_fused_gdn)
     return model_config
 

@@ -95,11 +95,17 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
     providers take as ``transformer_layer_spec``, e.g.
     ``get_transformer_block_with_experimental_attention_variant_spec`` or a ``functools.partial``
     of one) gives a function with its signature (``vp_stage`` included) that calls it and
-    replaces in what it returns. A string
-    is refused (TypeError): it is not a spec, and returning it unchanged would hide that."""
-    if isinstance(spec, (str, bytes)):
+    replaces in what it returns. None (megatron's "default spec") and anything else that is no
+    spec are refused (TypeError): returning them unchanged would hide that nothing was replaced."""
+    if spec is None:
+        raise TypeError(
+            "replace_modules: spec is None, which megatron reads as its default spec (with its "
+            "own GatedDeltaNet): pass the spec itself, e.g. core.models.get_gdn_hybrid_block_spec "
+            "for a GPT model or megatron's hybrid_stack_spec for a hybrid one")
+    if not (isinstance(spec, (list, tuple, ModuleSpec, functools.partial)) or inspect.isclass(spec)
+            or dataclasses.is_dataclass(spec) or callable(spec)):
         raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
-                        f"got the string {spec!r}")
+                        f"got {type(spec).__name__} {spec!r}")
     pairs = tuple(replacements.items())
     if not pairs:
         return spec
@@ -236,7 +242,8 @@ def use_fused_gdn(spec: Any) -> Any:
     alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion.
 
     A spec function gives a spec function (``use_fused_gdn(provider.transformer_layer_spec)``:
-    same signature, the replacement made in what it builds); a string raises TypeError."""
+    same signature, the replacement made in what it builds); None, a string or another non-spec
+    raises TypeError."""
     return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
 
 

@@ -76,6 +76,11 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     fused-gated-norm field), and when the config's checks refuse the combination (TypeError for
     a field of the wrong type); the message then also names the command-line flags of the config
     fields it mentions."""
+    if getattr(args, "yaml_cfg", None):
+        raise ValueError(
+            "--yaml-cfg: megatron then builds args from the YAML file (its experimental path), "
+            "which has no fusion flags; core.training reads them from the command line only"
+        )
     missing = [name for name in FUSION_FIELDS if not hasattr(args, name)]
     if missing:
         raise ValueError(

@@ -229,3 +229,50 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
         assert one["tokens"] == two["tokens"] == 4 * seq
         # the same batch: equal up to the fp32 order of the gradient's sum over the ranks
         assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"]), (runs[1], runs[2])
+
+
+def _launch(tmp_path, *extra, drop=(), iterations=1):
+    """One CPU process of the launcher with the driver's tiny model, ``drop`` flags (with their
+    value) left out of the driver's common ones."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    common = list(driver.COMMON)
+    for flag in drop:
+        i = common.index(flag)
+        del common[i:i + 2]
+    metrics = tmp_path / "metrics.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py"), *driver.MODEL["cpu"],
+           *common, *driver.CPU_ONLY, "--mock-data", "--deterministic-mode", "--train-iters",
+           str(iterations), "--lr-warmup-iters", "0", "--gdn-metrics-out", str(metrics), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                              "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=600)
+    return proc, metrics
+
+
+@pytest.mark.parametrize("extra, drop, message", [
+    ((), ("--transformer-impl",), "--transformer-impl transformer_engine (megatron's default) "
+                                  "needs Transformer Engine, which is not installed"),
+    (("--spec", "no.such.module", "nothing"), (), "--spec no.such.module nothing: megatron could "
+                                                  "not import it"),
+], ids=["transformer_engine_without_te", "spec_that_does_not_import"])
+def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
+    from core.models.gdn_specs import HAVE_TE
+
+    if HAVE_TE and drop:
+        pytest.skip("Transformer Engine is installed: megatron's default implementation runs")
+    proc, metrics = _launch(tmp_path, *extra, drop=drop)
+    assert proc.returncode != 0 and not metrics.exists()
+    assert message in proc.stdout + proc.stderr
+
+
+@pytest.mark.interpreter_backward
+def test_launcher_builds_the_model_from_megatrons_spec_option(tmp_path):
+    """megatron's --spec (module, name) builds the model, through use_fused_gdn: our block spec
+    function given by name and called as megatron's GPTModelConfig calls it (with the model
+    config) fuses every GDN layer."""
+    proc, metrics = _launch(tmp_path, "--fused-gated-norm", "--spec", "core.models.gdn_specs",
+                            "get_gdn_hybrid_block_spec")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(metrics.read_text())
+    assert summary["gdn_layers"] == summary["gdn_layers_fused"] == 1  # layer 1 of 2 is attention

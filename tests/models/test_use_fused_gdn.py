@@ -138,10 +138,17 @@ def test_a_partial_of_a_module_class_stays_a_spec_node():
     assert use_fused_gdn(builder).keywords["module"] is GatedDeltaNet
 
 
-@pytest.mark.parametrize("spec", ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", b"GDN"])
-def test_a_string_is_not_a_spec(spec):
+@pytest.mark.parametrize("spec", ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", b"GDN", 42])
+def test_what_is_no_spec_is_refused(spec):
     with pytest.raises(TypeError, match="replace_modules: spec must be a spec, a list of specs or a spec function"):
         use_fused_gdn(spec)
+
+
+def test_none_is_megatrons_default_spec_and_refused():
+    """megatron.training's GPTModelConfig.transformer_layer_spec and HybridModelConfig's
+    hybrid_stack_spec default to None: megatron then builds its own spec, with its own GDN."""
+    with pytest.raises(TypeError, match="spec is None, which megatron reads as its default spec"):
+        use_fused_gdn(None)
 
 
 # --- built models: same keys -------------------------------------------------------------------

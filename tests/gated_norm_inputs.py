@@ -1,6 +1,6 @@
 """Inputs shared by the gated norm's tests and GPU checks: the device they run on, the eps, and
-random [B, S, H, D] activations, gate and weight (make_inputs; make_grad_inputs for a backward
-at GPU sizes), plus the strided layouts Megatron hands the kernels (a gate sliced from a packed
+random [B, S, H, D] activations, gate and weight (make_inputs; make_grad_inputs, from
+core.testing.inputs, which the measurement tools use too, for a backward at GPU sizes), plus the strided layouts Megatron hands the kernels (a gate sliced from a packed
 projection, a [B, S, H, D] view of an [S, B, H, D] buffer, an address off 16-byte alignment).
 
 Import it as ``tests.gated_norm_inputs`` from the repository root (``python -m pytest`` puts it
@@ -11,6 +11,8 @@ on sys.path; tests/__init__.py makes ``tests`` a regular package, so no other in
 from __future__ import annotations
 
 import torch
+
+from core.testing.inputs import make_grad_inputs  # noqa: F401  (shared with tools/)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -24,38 +26,6 @@ def make_inputs(shape, dtype=torch.bfloat16, weight_dtype=None, seed=0):
     gate = (2 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
     weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
     return x, gate, weight
-
-
-def make_grad_inputs(shape, variant="plain", dtype=torch.bfloat16, seed=0, device=None):
-    """Inputs of a forward and backward at any size (the GPU checks, up to 2**31 elements and
-    more; the benchmark tools too, through tools/bench_common.py): x ~ N(0, 1), gate ~ N(0, 4),
-    weight ~ 1 + N(0, 0.04) and dy ~ N(0, 1), drawn in ``dtype`` on ``device`` (default DEVICE)
-    by a private generator (no host copy of a large tensor; the default CUDA generator is tied
-    to graph capture state). The values differ from make_inputs's.
-
-    variant "plain": x, gate and weight are the leaves that require grad; "strided_gate": the
-    gate is the second half of a packed [B, S, 2 * H * D] projection (read in place by the
-    kernels), and that projection is the leaf. Returns (x, gate, weight, dy, leaves)."""
-    if variant not in ("plain", "strided_gate"):
-        raise ValueError(f"make_grad_inputs: variant must be 'plain' or 'strided_gate', got {variant!r}")
-    device = device or DEVICE
-    gen = torch.Generator(device=device).manual_seed(seed)
-    batch, seq, heads, dim = shape
-
-    def randn(*size):
-        return torch.randn(size, device=device, dtype=dtype, generator=gen)
-
-    x = randn(*shape).requires_grad_()
-    if variant == "strided_gate":
-        packed = (2 * randn(batch, seq, 2 * heads * dim)).requires_grad_()
-        gate = packed[..., heads * dim:].unflatten(-1, (heads, dim))
-        leaves = (x, packed)
-    else:
-        gate = (2 * randn(*shape)).requires_grad_()
-        leaves = (x, gate)
-    weight = (1 + 0.2 * randn(dim)).requires_grad_()
-    dy = randn(*shape)
-    return x, gate, weight, dy, (*leaves, weight)
 
 
 def packed_projection_gate(shape, dtype, seed=0, misalign=0):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.gated_norm_inputs import make_grad_inputs
+from core.testing.inputs import make_grad_inputs
 
 EPS = 1e-6
 DTYPE = torch.bfloat16

@@ -1,1 +1,2 @@
-"""Test-side helpers (no-GPU shims for megatron-core); never imported by the library."""
+"""Test-side helpers: the no-GPU shims for megatron-core, the GDN harnesses of the tests and
+tools, shared inputs; never imported by the library."""

@@ -85,7 +85,9 @@ def make_inputs(shape, variant: str = "plain", seed: int = 0, device=None, dtype
 
 
 def bench(fn, rep: int = 100) -> float:
-    """Median time of ``fn()`` in us (triton.testing.do_bench: host launch cost included)."""
+    """Median time of ``fn()`` in us (triton.testing.do_bench). Each call follows do_bench's L2
+    flush, a ~60 us kernel behind which a short call's host work hides: this is not a host cost
+    (tools/host_cost.py measures that)."""
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3

@@ -36,7 +36,8 @@ def peer_comparison(results: dict) -> list[dict]:
         if ours is None:
             continue
         peers = {name: r for name, r in t["impls"].items() if name != "ours"}
-        row = {"label": t["label"], "rows": t["rows"]}
+        row = {"label": t["label"], "rows": t["rows"],  # peers left out of the comparison
+               "failed": dict(t.get("errors", {})), "not timed": dict(t.get("not_timed", {}))}
         for phase in PHASES:
             times = {name: r[f"{phase}_graph_us"] for name, r in peers.items()
                      if _finite(r[f"{phase}_graph_us"])}
@@ -84,6 +85,9 @@ def peer_comparison_lines(rows: list[dict]) -> list[str]:
                          f"(floor allows {c['max_possible_speedup']:.2f}x)")
         if "vs_plain_pct" in row:
             parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(**row["vs_plain_pct"]))
+        for kind in ("failed", "not timed"):
+            if row.get(kind):
+                parts.append(f"{kind}: " + ", ".join(f"{name} ({why})" for name, why in row[kind].items()))
         lines.append(f"  {row['label']:28s} " + (" | ".join(parts) or "no peer timed"))
     return lines
 
@@ -113,12 +117,20 @@ def summary_lines(results: dict) -> list[str]:
     if units:
         lines.append(f"host: own work of one eager forward + backward through autograd "
                      f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
-                     f"interleaved rounds; fastest {units['best_round']:.1f})")
+                     f"interleaved rounds{_quartiles_text(units)})")
         signature = results["host_cost"].get("same_signature_units")
         if signature:
             lines.append(f"      a Function of the same signature doing one tiny op each way: "
-                         f"{signature['median']:.1f} (fastest {signature['best_round']:.1f})")
+                         f"{signature['median']:.1f}{_quartiles_text(signature, '(', ')')}")
     return lines
+
+
+def _quartiles_text(units: dict, before: str = "; ", after: str = "") -> str:
+    """The quartiles of the per-round units (results that predate them hold none)."""
+    if "quartiles" not in units:
+        return ""
+    low, high = units["quartiles"]
+    return f"{' ' if before == '(' else ''}{before}quartiles {low:.1f}-{high:.1f}{after}"
 
 
 def write_csv(results: dict, path: str) -> None:
@@ -136,9 +148,9 @@ def write_csv(results: dict, path: str) -> None:
 
 
 def plot_pct(r: dict, phase: str) -> float:
-    """GPU time (graph) where it was measured, else the eager time; 0 when not timed."""
+    """GPU time (graph); 0 when not timed (the eager time is no GPU time: bench_common.bench)."""
     pct = r.get(f"{phase}_graph_pct", float("nan"))
-    return pct if _finite(pct) else r.get(f"{phase}_pct", 0)
+    return pct if _finite(pct) else 0
 
 
 def plot(results: dict, path: str) -> None:

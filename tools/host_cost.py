@@ -5,12 +5,13 @@ called by hand). Compare rows of one run: a VM's CPU speed moves between moments
 
     python tools/host_cost.py [--out DIR]        # -> DIR/host_cost.json (tools/benchmark.py runs it too)
 
-Each entry is the mean over five rounds of 600 calls (``best_round_us``: the fastest round, the
-least disturbed one, as timeit reports). ``own_work_units``, the figure of merit: our own host
+Each timing entry is the mean over five rounds of 600 calls (``best_round_us``: the fastest
+round, the least disturbed one, as timeit reports). ``own_work_units``, the figure of merit, from
+15 interleaved rounds of 200 calls of each of its six parts: our own host
 work for one eager forward + backward through autograd (forward with autograd + backward
 through autograd - the backward of a trivial autograd Function) in units of a tiny torch op;
-its four timings are taken in interleaved rounds and the ratio is formed per round, so a drift
-of the host's speed during the run falls on all four alike (median and fastest round reported).
+its timings are taken in interleaved rounds and the ratio is formed per round, so a drift of
+the host's speed during the run falls on all of them alike (median and quartiles reported).
 ``same_signature_units`` is the same formula for a Function of our signature that launches one
 tiny kernel each way and does nothing else, timed in the same rounds: the part of the figure
 that autograd charges for the signature alone.
@@ -142,7 +143,10 @@ def _units_per_round(times: dict[str, list[float]], forward: str, backward: str)
     trivial, tiny = (times[name] for name in OWN_WORK_PARTS[2:])
     per_round = [(f + b - t) / op for f, b, t, op in zip(times[forward], times[backward], trivial,
                                                           tiny)]
-    return {"median": statistics.median(per_round), "best_round": min(per_round),
+    # Quartiles, not the fastest round: a round in which the subtracted terms were disturbed
+    # gives a low value, so the minimum of a difference is no "least disturbed" figure.
+    quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
+    return {"median": statistics.median(per_round), "quartiles": [quartiles[0], quartiles[2]],
             "per_round": per_round}
 
 

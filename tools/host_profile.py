@@ -7,10 +7,11 @@ The Triton interpreter (set here before triton loads) makes the package take CPU
 launcher's compiled kernel is replaced by a no-op, so the launcher's own path (launch key,
 lookup, argument packing) still runs and only the final call into the driver is skipped.
 Reported in units of a tiny torch op of the same run (``x.add(1)`` on 16 elements), rounds of
-all measurements interleaved, best round each (the least disturbed): a shared CPU's speed moves
+all measurements interleaved, each timing the median over the rounds: a shared CPU's speed moves
 between moments, ratios within one run do not. ``own_units`` = (forward with autograd +
-backward through autograd - backward through autograd of a trivial Function) / tiny op, the
-quantity tools/host_cost.py measures on a GPU host (there a tiny op includes a CUDA launch, so
+backward through autograd - backward through autograd of a trivial Function) / tiny op, formed
+per round as tools/host_cost.py forms it (median, and quartiles ``own_units_q1`` / ``_q3``), the
+quantity it measures on a GPU host (there a tiny op includes a CUDA launch, so
 the CPU's units are larger numbers for the same work); ``same_signature_units``, the same for a
 Function of our signature that only launches one tiny op each way. ``--profile`` adds a
 cProfile listing.
@@ -22,6 +23,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,8 +35,8 @@ import torch  # noqa: E402
 import core.fusions.direct_launch as direct_launch  # noqa: E402
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 from tools.bench_common import EPS, make_inputs  # noqa: E402
-from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, SHAPE, HostTimer,  # noqa: E402
-                             own_work_calls)
+from tools.host_cost import (SHAPE, HostTimer, own_work_calls, own_work_units,  # noqa: E402
+                             same_signature_units)
 
 
 class _StubCompiled:
@@ -82,15 +84,14 @@ def measurements() -> dict:
 
 
 def measure(rounds: int, calls: int) -> dict:
+    """Median us of each measurement over the rounds, and the units as tools/host_cost.py forms
+    them (per round, then the median and quartiles)."""
     # The warm-up also fills the launchers' tables (first launches).
-    timer = HostTimer()
-    timer.measure_interleaved(measurements(), rounds, calls)
-    best = timer.best
-    forward, backward, trivial, tiny = (best[name] for name in OWN_WORK_PARTS)
-    own = forward + backward - trivial
-    signature = sum(best[name] for name in SAME_SIGNATURE_PARTS) - trivial
-    return {**best, "own_us": own, "own_units": own / tiny,
-            "same_signature_units": signature / tiny}
+    times = HostTimer().measure_interleaved(measurements(), rounds, calls)
+    own, signature = own_work_units(times), same_signature_units(times)
+    return {**{name: statistics.median(per_round) for name, per_round in times.items()},
+            "own_units": own["median"], "own_units_q1": own["quartiles"][0],
+            "own_units_q3": own["quartiles"][1], "same_signature_units": signature["median"]}
 
 
 def profile(calls: int) -> None:
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15,
                         help="interleaved rounds; each times every measurement in turn, and the "
-                             "fastest round of each is reported (default: %(default)s)")
+                             "median over the rounds is reported (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=500,
                         help="calls of each measurement per round (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",

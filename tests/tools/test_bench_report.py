@@ -156,3 +156,24 @@ def test_a_run_of_ours_alone_says_no_peer_was_timed(results):
     plain, strided = bench_report.peer_comparison_lines(bench_report.peer_comparison(results))[1:]
     assert plain == f"  {results['timings'][0]['label']:28s} no peer timed"
     assert strided.endswith("vs plain layout fwd +10.0 % bwd +10.0 %")  # ours against ours
+
+
+def test_failed_and_untimed_peers_are_named_not_dropped(results):
+    """A peer that failed at a shape, or was not timed there (torch.compile for the layout
+    variants), is named next to the comparison it is missing from."""
+    plain, strided = results["timings"]
+    del plain["impls"]["fla"]
+    plain["errors"] = {"fla": "RuntimeError: out of memory"}
+    strided["not_timed"] = {"compile": "torch.compile: plain layout only"}
+    lines = bench_report.peer_comparison_lines(bench_report.peer_comparison(results))
+    assert lines[1].endswith("failed: fla (RuntimeError: out of memory)")
+    assert "vs compile" in lines[1]  # the fastest of the peers that ran
+    assert lines[2].endswith("not timed: compile (torch.compile: plain layout only)")
+
+
+def test_plot_shows_gpu_time_only(results):
+    """An implementation without a graph time gets no bar rather than its eager time, which is no
+    GPU time (the L2 flush before each eager call hides its host work)."""
+    compile_ = results["timings"][0]["impls"]["compile"]
+    assert bench_report.plot_pct(compile_, "bwd") == 0
+    assert bench_report.plot_pct(compile_, "fwd") == compile_["fwd_graph_pct"]

@@ -60,7 +60,8 @@ def test_own_work_units_are_formed_per_interleaved_round():
               "ref_autograd_function_backward_us": [100.0, 200.0], "ref_torch_add_us": [10.0, 20.0]}
     units = own_work_units(steady)
     assert units["per_round"] == [pytest.approx(9.0), pytest.approx(9.0)]
-    assert units["median"] == pytest.approx(9.0) and units["best_round"] == pytest.approx(9.0)
+    assert units["median"] == pytest.approx(9.0)
+    assert units["quartiles"] == [pytest.approx(9.0), pytest.approx(9.0)]
     timer.extra["own_work_units"] = units
     assert timer.result()["own_work_units"] is units
 
@@ -85,3 +86,15 @@ def test_own_work_calls_run_and_the_same_signature_reference_mirrors_ours():
     reference = results["ref_same_signature_backward_us"]
     assert [t.shape for t in reference] == [t.shape for t in ours] == [x.shape, g.shape, w.shape]
     assert results["ref_same_signature_forward_us"].shape == results["forward_autograd_us"].shape
+
+
+def test_units_report_quartiles_not_the_fastest_round():
+    """The fastest round of a difference is the round whose subtracted terms were disturbed
+    most: the quartiles say how the rounds spread instead."""
+    times = {"forward_autograd_us": [40.0] * 4, "backward_autograd_us": [150.0] * 4,
+             "ref_autograd_function_backward_us": [100.0, 100.0, 100.0, 180.0],  # one disturbed
+             "ref_torch_add_us": [10.0] * 4}
+    units = own_work_units(times)
+    assert units["per_round"][3] == pytest.approx(1.0) and units["median"] == pytest.approx(9.0)
+    low, high = units["quartiles"]
+    assert low < 9.0 <= high and "best_round" not in units

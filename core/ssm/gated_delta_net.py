@@ -113,7 +113,7 @@ def run_forward_pre_hooks(module: torch.nn.Module, args: tuple, *,
     if global_hooks and _module_hooks._global_forward_pre_hooks:
         hooks = {**_module_hooks._global_forward_pre_hooks, **hooks}
     with_kwargs = module._forward_pre_hooks_with_kwargs
-    for hook_id, hook in hooks.items():
+    for hook_id, hook in tuple(hooks.items()):  # a hook may remove itself, as in module(*args)
         if hook_id in with_kwargs:
             result = hook(module, args, {})
             if result is not None:
@@ -132,7 +132,7 @@ def run_forward_hooks(module: torch.nn.Module, args: tuple, output: torch.Tensor
     hooks = {**_module_hooks._global_forward_hooks, **module._forward_hooks}
     with_kwargs = (module._forward_hooks_with_kwargs,
                    _module_hooks._global_forward_hooks_with_kwargs)
-    for hook_id, hook in hooks.items():
+    for hook_id, hook in tuple(hooks.items()):
         if hook_id in with_kwargs[0] or hook_id in with_kwargs[1]:
             result = hook(module, args, {}, output)
         else:
@@ -140,6 +140,24 @@ def run_forward_hooks(module: torch.nn.Module, args: tuple, output: torch.Tensor
         if result is not None:
             output = result
     return output
+
+
+# Swapping a module's hook table is no graph operation: where the module is compiled whole,
+# torch.compile runs these two eagerly (a graph break) instead of tracing the dict mutations.
+@torch.compiler.disable
+def _set_aside_pre_hooks(owner: torch.nn.Module, module: torch.nn.Module) -> None:
+    """An empty table in place of ``module``'s forward pre-hooks, one per ``owner``, so that a
+    compiled megatron ``_apply_gated_norm`` sees the same (empty) hooks every call."""
+    module._forward_pre_hooks = owner.__dict__.setdefault("_out_norm_hooks_set_aside",
+                                                          collections.OrderedDict())
+
+
+@torch.compiler.disable
+def _restore_pre_hooks(module: torch.nn.Module, own_hooks) -> None:
+    """``module``'s own table back, with any pre-hook registered in the meantime."""
+    own_hooks.update(module._forward_pre_hooks)
+    module._forward_pre_hooks.clear()
+    module._forward_pre_hooks = own_hooks
 
 
 def _has_backward_hooks(module: torch.nn.Module) -> bool:
@@ -492,22 +510,18 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         for the weight's all-gather, and acts on Parameters only); inside megatron's call of
         out_norm, where the slot holds the scaled tensor, they are set aside so that none runs
         twice. A hook's replacement input is what megatron's call gets, as in ``out_norm(x)``.
-        Global hooks and forward hooks run inside megatron's call as usual."""
+        Global hooks and forward hooks run inside megatron's call as usual, so here the global
+        pre-hooks run after out_norm's own, where a module call runs them first."""
         norm = self.out_norm
         own_hooks = norm._forward_pre_hooks
         if own_hooks:
             (x_rows,) = run_forward_pre_hooks(norm, (x.reshape(-1, x.shape[-1]),),
                                               global_hooks=False)
             x = x_rows.reshape(x.shape)  # megatron's _apply_gated_norm reshapes it back
-            # One empty table per module, so that a compiled megatron _apply_gated_norm sees
-            # the same (empty) hooks every call.
-            norm._forward_pre_hooks = self.__dict__.setdefault("_out_norm_hooks_set_aside",
-                                                               collections.OrderedDict())
+            _set_aside_pre_hooks(self, norm)
         try:
             with weight_read_as(norm, scale_grad(norm.weight, scale)):
                 return super()._apply_gated_norm(x, gate)
         finally:
             if own_hooks:
-                own_hooks.update(norm._forward_pre_hooks)  # registered during the call
-                norm._forward_pre_hooks.clear()
-                norm._forward_pre_hooks = own_hooks
+                _restore_pre_hooks(norm, own_hooks)

@@ -94,6 +94,48 @@ def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
     assert calls == [("pre", rows), ("post", rows)]
 
 
+@pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
+def test_a_hook_may_remove_itself_as_in_a_module_call(fused, scale):
+    """A one-shot pre-hook (it removes its own handle) runs on the first forward only and the
+    hooks after it still run, as torch's module call iterates a snapshot of the table."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    set_out_norm_grad_scale(module, scale)
+    calls = []
+
+    def once(m, args):
+        calls.append("once")
+        handle.remove()
+
+    handle = module.out_norm.register_forward_pre_hook(once)
+    module.out_norm.register_forward_pre_hook(lambda m, args: calls.append("every"))
+    x, gate = _inputs()
+    module._apply_gated_norm(x, gate)
+    module._apply_gated_norm(x, gate)
+    assert calls == ["once", "every", "every"]
+
+
+@pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
+def test_module_compiled_whole_with_out_norm_hooks(fused, scale):
+    """torch.compile of the whole GDN module, out_norm holding a pre-hook and a forward hook
+    (megatron's DDP with overlap_param_gather registers pre-hooks on every module): the hooks run
+    once per call and the output and gradient equal the eager module's."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused, params_dtype=torch.float32))
+    set_out_norm_grad_scale(module, scale)
+    calls = []
+    module.out_norm.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    module.out_norm.register_forward_hook(lambda m, args, out: calls.append("post"))
+    x = torch.randn(8, 2, module.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    results = []
+    for run in (module, torch.compile(module, backend="aot_eager")):
+        leaf = x.clone().requires_grad_()
+        out, _ = run(leaf, None)
+        out.sum().backward()
+        results.append((out.detach(), leaf.grad))
+    assert calls == ["pre", "post"] * 2
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, 2.0], ids=["unfused", "unfused-scaled"])
 def test_unfused_paths_apply_a_replaced_input_once(scale):
     """The hook shifts the input (a scale would cancel in the norm): the result is the norm of

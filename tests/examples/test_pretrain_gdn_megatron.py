@@ -204,24 +204,39 @@ def test_every_split_the_driver_asks_for_holds_a_sample(size):
             assert tokens * weight / sum(weights) > 2 * (seq + 1), (size, weights, seq)
 
 
+def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=None,
+            metrics="metrics.json"):
+    """The launcher on the CPU through torchrun (``nproc`` processes) with the driver's tiny
+    model (or ``model``, its arguments), ``drop`` flags (with their value) left out of the
+    driver's common ones; returns the process and the path of its --gdn-metrics-out file."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    common = list(driver.COMMON)
+    for flag in drop:
+        i = common.index(flag)
+        del common[i:i + 2]
+    metrics_path = out_dir / metrics
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py"),
+           *(model or driver.MODEL["cpu"]), *common, *driver.CPU_ONLY, "--mock-data",
+           "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
+           str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                              "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=600)
+    return proc, metrics_path
+
+
 def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
     """At DP 2 each rank computes the loss of its half of the batch; the launcher's metrics sum
     both halves: the same losses and token counts as one process with the whole batch."""
     driver = _module(DRIVER, "run_megatron_pairs")
-    launcher = os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py")
     args = list(driver.MODEL["cpu"])
     args[args.index("--global-batch-size") + 1] = "4"  # micro-batch 2 x 2 micro-batches or ranks
     seq = int(args[args.index("--seq-length") + 1])
     runs = {}
     for dp in (1, 2):
-        metrics = tmp_path / f"dp{dp}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(dp), launcher, *args, *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
-               "--deterministic-mode", "--train-iters", "2", "--lr-warmup-iters", "1",
-               "--fused-gated-norm", "--gdn-metrics-out", str(metrics)]
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                                  "PYTHONPATH": ROOT},
-                              capture_output=True, text=True, timeout=600)
+        proc, metrics = _launch(tmp_path, "--fused-gated-norm", iterations=2, warmup=1, nproc=dp,
+                                model=args, metrics=f"dp{dp}.json")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[dp] = json.loads(metrics.read_text())["iterations"]
     assert len(runs[1]) == len(runs[2]) == 2
@@ -229,25 +244,6 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
         assert one["tokens"] == two["tokens"] == 4 * seq
         # the same batch: equal up to the fp32 order of the gradient's sum over the ranks
         assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"]), (runs[1], runs[2])
-
-
-def _launch(tmp_path, *extra, drop=(), iterations=1):
-    """One CPU process of the launcher with the driver's tiny model, ``drop`` flags (with their
-    value) left out of the driver's common ones."""
-    driver = _module(DRIVER, "run_megatron_pairs")
-    common = list(driver.COMMON)
-    for flag in drop:
-        i = common.index(flag)
-        del common[i:i + 2]
-    metrics = tmp_path / "metrics.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py"), *driver.MODEL["cpu"],
-           *common, *driver.CPU_ONLY, "--mock-data", "--deterministic-mode", "--train-iters",
-           str(iterations), "--lr-warmup-iters", "0", "--gdn-metrics-out", str(metrics), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                              "PYTHONPATH": ROOT},
-                          capture_output=True, text=True, timeout=600)
-    return proc, metrics
 
 
 @pytest.mark.parametrize("extra, drop, message", [

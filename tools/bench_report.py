@@ -117,20 +117,20 @@ def summary_lines(results: dict) -> list[str]:
     if units:
         lines.append(f"host: own work of one eager forward + backward through autograd "
                      f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
-                     f"interleaved rounds{_quartiles_text(units)})")
+                     f"interleaved rounds{'; ' + _quartiles_text(units) if 'quartiles' in units else ''})")
         signature = results["host_cost"].get("same_signature_units")
         if signature:
+            spread = f" ({_quartiles_text(signature)})" if "quartiles" in signature else ""
             lines.append(f"      a Function of the same signature doing one tiny op each way: "
-                         f"{signature['median']:.1f}{_quartiles_text(signature, '(', ')')}")
+                         f"{signature['median']:.1f}{spread}")
     return lines
 
 
-def _quartiles_text(units: dict, before: str = "; ", after: str = "") -> str:
-    """The quartiles of the per-round units (results that predate them hold none)."""
-    if "quartiles" not in units:
-        return ""
+def _quartiles_text(units: dict) -> str:
+    """The quartiles of the per-round units (results that predate them hold none: callers
+    check)."""
     low, high = units["quartiles"]
-    return f"{' ' if before == '(' else ''}{before}quartiles {low:.1f}-{high:.1f}{after}"
+    return f"quartiles {low:.1f}-{high:.1f}"
 
 
 def write_csv(results: dict, path: str) -> None:

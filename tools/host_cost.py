@@ -145,8 +145,11 @@ def _units_per_round(times: dict[str, list[float]], forward: str, backward: str)
                                                           tiny)]
     # Quartiles, not the fastest round: a round in which the subtracted terms were disturbed
     # gives a low value, so the minimum of a difference is no "least disturbed" figure.
-    quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-    return {"median": statistics.median(per_round), "quartiles": [quartiles[0], quartiles[2]],
+    if len(per_round) > 1:
+        low, _, high = statistics.quantiles(per_round, n=4)
+    else:
+        low = high = per_round[0]
+    return {"median": statistics.median(per_round), "quartiles": [low, high],
             "per_round": per_round}
 
 

@@ -177,3 +177,16 @@ def test_plot_shows_gpu_time_only(results):
     compile_ = results["timings"][0]["impls"]["compile"]
     assert bench_report.plot_pct(compile_, "bwd") == 0
     assert bench_report.plot_pct(compile_, "fwd") == compile_["fwd_graph_pct"]
+
+
+def test_host_lines_give_the_quartiles_where_recorded(results):
+    results["host_cost"] = {
+        "own_work_units": {"median": 9.0, "quartiles": [8.0, 10.0], "per_round": [8.0, 9.0, 10.0]},
+        "same_signature_units": {"median": 3.0, "quartiles": [2.9, 3.1], "per_round": [3.0]}}
+    own, signature = bench_report.summary_lines(results)[-2:]
+    assert own.endswith("9.0 tiny torch ops (median of 3 interleaved rounds; quartiles 8.0-10.0)")
+    assert signature.endswith("each way: 3.0 (quartiles 2.9-3.1)")
+    for units in results["host_cost"].values():  # a result recorded before the quartiles
+        del units["quartiles"]
+    own, signature = bench_report.summary_lines(results)[-2:]
+    assert own.endswith("(median of 3 interleaved rounds)") and signature.endswith("each way: 3.0")

@@ -11,7 +11,7 @@ unsupported dtype, a non-bool flag, a non-number eps), ValueError for a value br
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -81,13 +81,27 @@ def lookup_checked(table: dict, key: Optional[tuple]):
 FUSED_GATED_NORM = "fused_gated_norm"
 
 
+class ArgNames(NamedTuple):
+    """What the rules' messages call the inputs: the kernel's argument names, or those of the
+    caller's own tensors."""
+    x: str = "x"
+    gate: str = "gate"
+    weight: str = "weight"
+    eps: str = "eps"
+
+
+KERNEL_ARGS = ArgNames()
+# validate_gated_norm: the tensors and the config value of a Megatron GatedDeltaNet.
+GDN_MODULE_ARGS = ArgNames("core_attn_out", "gate", "out_norm.weight", "config.layernorm_epsilon")
+
+
 MAX_CHECKED_INPUTS = 256
 _checked_inputs: dict = {}
 
 
-def check_gated_norm_inputs(x, gate, weight, eps) -> None:
+def check_gated_norm_inputs(x, gate, weight, eps, names: ArgNames = KERNEL_ARGS) -> None:
     """The tensor and eps rules of ``fused_gated_norm``; raises TypeError/ValueError naming the
-    argument and the rule; nothing is launched.
+    argument (as ``names`` spells it) and the rule; nothing is launched.
 
     Runs on every call. The rules read only host metadata, so inputs whose metadata equals that
     of inputs that passed (each tensor's type, shape, strides, dtype, device and negative bit,
@@ -103,31 +117,32 @@ def check_gated_norm_inputs(x, gate, weight, eps) -> None:
             key = None
         if lookup_checked(_checked_inputs, key):
             return
-    check_gated_norm_tensors(FUSED_GATED_NORM, x, gate, weight)
-    check_positive_number(FUSED_GATED_NORM, "eps", eps)
+    check_gated_norm_tensors(FUSED_GATED_NORM, x, gate, weight, names=names)
+    check_positive_number(FUSED_GATED_NORM, names.eps, eps)
     keep_checked(_checked_inputs, key, True, MAX_CHECKED_INPUTS)
 
 
-def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = ()) -> None:
+def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = (),
+                             names: ArgNames = KERNEL_ARGS) -> None:
     """The tensor rules of ``check_gated_norm_inputs`` for x, gate, the weight and ``others``
     (``(name, tensor)`` pairs of x's shape and dtype, such as forward_impl's out)."""
-    check_tensors(entry, (("x", x), ("gate", gate), ("weight", weight), *others))
+    check_tensors(entry, ((names.x, x), (names.gate, gate), (names.weight, weight), *others))
     shape = x.shape
     if len(shape) != 4:
-        raise ValueError(
-            f"{entry}: x must have rank 4 [batch, sequence, heads, dim], got shape {tuple(shape)}"
-        )
-    operands = (("gate", gate), *others)
+        raise ValueError(f"{entry}: {names.x} must have rank 4 [batch, sequence, heads, dim], "
+                         f"got shape {tuple(shape)}")
+    operands = ((names.gate, gate), *others)
     for name, t in operands:
         if t.shape != shape:
-            raise ValueError(f"{entry}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{entry}: {name} must have {names.x}'s shape {tuple(shape)}, got "
+                             f"{tuple(t.shape)}")
     batch, seq, heads, dim = shape
     rows = batch * seq * heads
-    check_operands(entry, x, operands, weight, dim)
-    check_head_dim(entry, "the head dim (x's last dim)", dim)
+    check_operands(entry, x, operands, weight, dim, names)
+    check_head_dim(entry, f"the head dim ({names.x}'s last dim)", dim)
     check_rows(entry, "batch * sequence * heads", rows)
     if rows and dim:  # an empty view may have any strides
-        check_last_dim_stride(entry, (("x", x), *operands))
+        check_last_dim_stride(entry, ((names.x, x), *operands))
 
 
 def check_tensors(entry: str, named: tuple) -> None:
@@ -176,41 +191,45 @@ def check_activation(entry: str, activation, names: tuple = SUPPORTED_ACTIVATION
 
 
 def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
-                   dim: int) -> None:
+                   dim: int, names: ArgNames = KERNEL_ARGS) -> None:
     """The dtype (TypeError), device, weight shape and weight contiguity rules (ValueError) of
-    x, its ``(name, tensor)`` operands (gate / z, out: x's dtype and device) and the weight.
+    x, its ``(name, tensor)`` operands (gate / z, out: x's dtype and device) and the weight;
+    ``names`` spells x and the weight.
 
     The device rule comes before any rule that reads an address (the inference entry's overlap
     checks): the kernels take CUDA tensors when compiled, CPU tensors under the interpreter; a
     meta tensor has no memory at all."""
+    x_name, weight_name = names.x, names.weight
     dtype = x.dtype
     if dtype not in SUPPORTED_ACTIVATION_DTYPES:
-        raise TypeError(f"{entry}: x dtype must be bf16, fp16 or fp32, got {dtype}")
+        raise TypeError(f"{entry}: {x_name} dtype must be bf16, fp16 or fp32, got {dtype}")
     for name, t in operands:
         if t.dtype != dtype:
-            raise TypeError(f"{entry}: {name} dtype must equal x's dtype {dtype}, got {t.dtype}")
+            raise TypeError(f"{entry}: {name} dtype must equal {x_name}'s dtype {dtype}, got "
+                            f"{t.dtype}")
     weight_dtype = weight.dtype
     if weight_dtype != dtype and weight_dtype != torch.float32:
-        raise TypeError(f"{entry}: weight dtype must be fp32 or x's dtype {dtype}, got {weight_dtype}")
-    for name, t in (("x", x), *operands, ("weight", weight)):
+        raise TypeError(f"{entry}: {weight_name} dtype must be fp32 or {x_name}'s dtype {dtype}, "
+                        f"got {weight_dtype}")
+    for name, t in ((x_name, x), *operands, (weight_name, weight)):
         check_not_negative_view(entry, name, t)
     device = x.device
     devices = [device] + [t.device for _, t in operands] + [weight.device]
     if devices.count(device) != len(devices):
-        names = ", ".join(["x"] + [name for name, _ in operands])
-        raise ValueError(f"{entry}: {names} and weight must be on one device, got "
+        listed = ", ".join([x_name] + [name for name, _ in operands])
+        raise ValueError(f"{entry}: {listed} and {weight_name} must be on one device, got "
                          f"{', '.join(str(d) for d in devices)}")
     kernel_device = "cpu" if INTERPRETED else "cuda"
     if device.type != kernel_device:
-        raise ValueError(f"{entry}: x must be a {kernel_device.upper()} tensor {DEVICE_RULE}, "
-                         f"got device {device}")
+        raise ValueError(f"{entry}: {x_name} must be a {kernel_device.upper()} tensor "
+                         f"{DEVICE_RULE}, got device {device}")
     if not INTERPRETED:
-        check_current_device(entry, device, torch.cuda.current_device())
+        check_current_device(entry, device, torch.cuda.current_device(), x_name)
     if weight.shape != (dim,):
-        raise ValueError(f"{entry}: weight must have shape ({dim},) (one value per element of a "
-                         f"head), got {tuple(weight.shape)}")
+        raise ValueError(f"{entry}: {weight_name} must have shape ({dim},) (one value per element "
+                         f"of a head), got {tuple(weight.shape)}")
     if dim and weight.stride()[0] != 1:
-        raise ValueError(f"{entry}: weight must be contiguous, got stride {weight.stride()}")
+        raise ValueError(f"{entry}: {weight_name} must be contiguous, got stride {weight.stride()}")
 
 
 def check_not_negative_view(entry: str, name: str, t: torch.Tensor) -> None:
@@ -223,14 +242,15 @@ def check_not_negative_view(entry: str, name: str, t: torch.Tensor) -> None:
                          f"negated); pass {name}.resolve_neg()")
 
 
-def check_current_device(entry: str, device: torch.device, current: int) -> None:
+def check_current_device(entry: str, device: torch.device, current: int,
+                         x_name: str = "x") -> None:
     """x is on the current CUDA device (ValueError): a kernel launches there, on its stream, so
     another device's addresses would be read from the wrong GPU."""
     if device.index != current:
         raise ValueError(
-            f"{entry}: x must be on the current CUDA device (cuda:{current}), where the kernels "
-            f"launch, got {device}; make it current first (torch.cuda.set_device, or `with "
-            "torch.cuda.device(x.device):`)"
+            f"{entry}: {x_name} must be on the current CUDA device (cuda:{current}), where the "
+            f"kernels launch, got {device}; make it current first (torch.cuda.set_device, or `with "
+            f"torch.cuda.device({x_name}.device):`)"
         )
 
 
@@ -322,7 +342,8 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     gate activation is its ``act_fn`` (what megatron's unfused path applies), else
     ``config.activation_func``. Where the module says whether the kernel centres the weight
     (``out_norm_zero_centered``, ours) and out_norm says whether it does
-    (``zero_centered_gamma``), the two must agree."""
+    (``zero_centered_gamma``), the two must agree. Messages name the module's tensors
+    (``core_attn_out``, ``gate``, ``out_norm.weight``) and ``config.layernorm_epsilon``."""
     config = module.config
     if hasattr(module, "act_fn"):
         activation = check_norm_and_gate(config.normalization, module.act_fn, "the module's act_fn")
@@ -359,14 +380,15 @@ def validate_gated_norm(module, x: torch.Tensor, gate: torch.Tensor) -> str:
     if heads is None:  # a module without our attribute: value heads split by TP, then CP
         heads = (config.linear_num_value_heads // getattr(module, "tp_size", 1)
                  // getattr(module, "cp_size", 1))
-    check_tensors(FUSED_GATED_NORM, (("core_attn_out", x), ("gate", gate)))
-    for name, t in (("core_attn_out", x), ("gate", gate)):
+    names = GDN_MODULE_ARGS
+    check_tensors(FUSED_GATED_NORM, ((names.x, x), (names.gate, gate)))
+    for name, t in ((names.x, x), (names.gate, gate)):
         if t.dim() != 4 or tuple(t.shape[-2:]) != (heads, head_dim):
             raise ValueError(
                 f"fused_gated_norm requires {name} of shape [batch, seq, {heads}, {head_dim}] "
                 f"(local value heads, linear_value_head_dim), got {tuple(t.shape)}"
             )
-    check_gated_norm_inputs(x, gate, weight, config.layernorm_epsilon)
+    check_gated_norm_inputs(x, gate, weight, config.layernorm_epsilon, names)
     return activation
 
 

@@ -61,6 +61,20 @@ def test_validation_reads_every_spelling_of_the_norm_eps(attr):
     validation.validate_gated_norm(_gdn_stand_in({}), x, gate)  # no eps to compare: accepted
 
 
+@pytest.mark.parametrize("eps, error, rule", [
+    ("1e-5", TypeError, "must be a Python float or int, got str"),
+    (0.0, ValueError, "must be finite and > 0"),
+], ids=["str", "zero"])
+def test_validation_names_the_config_eps(eps, error, rule):
+    """The kernel's eps rule, through a module: the message names where the value comes from
+    (a norm without an eps attribute of its own leaves only the config's)."""
+    x, gate, _ = make_inputs((1, 2, 8, 64), torch.bfloat16)
+    module = _gdn_stand_in({})
+    module.config.layernorm_epsilon = eps
+    with pytest.raises(error, match=f"fused_gated_norm: config.layernorm_epsilon {rule}"):
+        validation.validate_gated_norm(module, x, gate)
+
+
 @pytest.mark.parametrize("module_attrs, heads", [
     ({}, 8),  # no split known: all value heads
     ({"tp_size": 2}, 4),
@@ -98,7 +112,7 @@ def test_input_rules_run_again_for_any_other_metadata(monkeypatch):
     evaluated = []
     rules = validation.check_gated_norm_tensors
     monkeypatch.setattr(validation, "check_gated_norm_tensors",
-                        lambda *args: (evaluated.append(args[1:]), rules(*args)))
+                        lambda *args, **kwargs: (evaluated.append(args[1:]), rules(*args, **kwargs)))
     current = [None]
     monkeypatch.setattr(validation, "current_device", lambda: current[0])
     x, gate, weight = make_inputs((2, 3, 2, 64), torch.bfloat16)

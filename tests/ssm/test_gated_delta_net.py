@@ -327,6 +327,12 @@ def _with_act_fn(module, act_fn):
     return clone
 
 
+def _with_norm_weight(module, weight):
+    """The module with out_norm's weight replaced (a fresh module per test: see fused_module)."""
+    module.out_norm.weight = torch.nn.Parameter(weight)
+    return module
+
+
 def test_validation_accepts_good_inputs(fused_module):
     out = fused_module._apply_gated_norm(*_xg())
     assert out.shape == (2, 3, 4, 16)
@@ -343,15 +349,21 @@ def test_validation_accepts_good_inputs(fused_module):
          r"out_norm eps \(1e-05\) to equal config.layernorm_epsilon"),
         (lambda m: (m, _xg(heads=3)), ValueError, r"core_attn_out of shape \[batch, seq, 4, 16\]"),
         (lambda m: (m, (_xg()[0], _xg(heads=2)[1])), ValueError, r"gate of shape \[batch, seq, 4, 16\]"),
-        (lambda m: (m, (_xg(torch.float64))), TypeError, "x dtype must be bf16, fp16 or fp32"),
-        (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError, "gate dtype must equal x's dtype"),
+        (lambda m: (m, (_xg(torch.float64))), TypeError,
+         "fused_gated_norm: core_attn_out dtype must be bf16, fp16 or fp32"),
+        (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError,
+         "fused_gated_norm: gate dtype must equal core_attn_out's dtype"),
+        (lambda m: (_with_norm_weight(m, torch.ones(16, dtype=torch.float16)), _xg()), TypeError,
+         "fused_gated_norm: out_norm.weight dtype must be fp32 or core_attn_out's dtype"),
+        (lambda m: (_with_norm_weight(m, torch.ones(32, dtype=torch.bfloat16)[::2]), _xg()),
+         ValueError, "fused_gated_norm: out_norm.weight must be contiguous"),
         (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])), ValueError,
          "gate must have last-dim stride 1"),
         (lambda m: (m, (_xg()[0].to("meta"), _xg()[1].to("meta"))), ValueError,
-         "must be on one device"),
+         "fused_gated_norm: core_attn_out, gate and out_norm.weight must be on one device"),
     ],
     ids=["normalization", "activation", "eps", "x-heads", "gate-heads", "dtype", "gate-dtype",
-         "stride", "device"],
+         "weight-dtype", "weight-stride", "stride", "device"],
 )
 def test_validation_rejections(fused_module, make, error, match):
     module, (x, gate) = make(fused_module)

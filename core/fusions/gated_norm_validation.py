@@ -156,11 +156,15 @@ def check_tensors(entry: str, named: tuple) -> None:
                             f"{t.layout}")
 
 
-def check_bool(entry: str, name: str, value) -> None:
-    """``value`` is a bool (TypeError): a flag selects a compiled kernel variant, and a string,
-    None, 0, 1 or 0.5 would be taken as a truth value without complaint."""
-    if type(value) is not bool:
-        raise TypeError(f"{entry}: {name} must be a bool (True or False), got {value!r}")
+def check_bool(entry: str, name: str, value, none_means: Optional[str] = None):
+    """``value`` is a bool, or None where ``none_means`` says what None selects (TypeError): a
+    flag selects a compiled kernel variant or a code path, and a string, 0, 1 or 0.5 would be
+    taken as a truth value without complaint. Returns ``value``."""
+    if type(value) is not bool and (none_means is None or value is not None):
+        choices = (f"None ({none_means}), True or False" if none_means is not None
+                   else "a bool (True or False)")
+        raise TypeError(f"{entry}: {name} must be {choices}, got {value!r}")
+    return value
 
 
 # The kernels take eps and the dW scale as fp32: a value outside the normal fp32 range would

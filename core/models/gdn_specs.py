@@ -63,6 +63,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from core.fusions.gated_norm_validation import check_bool
 from core.ssm.gated_delta_net import GatedDeltaNet
 from core.transformer.rms_norm import LocalNorm
 from core.transformer.transformer_config import check_gdn_field_types, gdn_out_norm_zero_centered
@@ -317,10 +318,10 @@ def _use_te(use_te: Optional[bool], config=None) -> bool:
     """Whether to build with Transformer Engine. None: when TE is installed and the config (if
     any) asks for it (``transformer_impl='transformer_engine'``, megatron's default)."""
     impl = getattr(config, "transformer_impl", "transformer_engine")
+    check_bool("gdn_specs", "use_te", use_te,
+               "Transformer Engine when installed and transformer_impl asks for it")
     if use_te is None:
         return HAVE_TE and impl == "transformer_engine"
-    if not isinstance(use_te, bool):
-        raise TypeError(f"use_te must be None, True or False, got {use_te!r}")
     if use_te and impl != "transformer_engine":
         raise ValueError(
             "use_te=True requires config.transformer_impl='transformer_engine' (megatron's TE "

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import (
     TransformerConfig as _MegatronTransformerConfig,
 )
 
-from core.fusions.gated_norm_validation import check_norm_and_gate
+from core.fusions.gated_norm_validation import check_bool, check_norm_and_gate
 
 
 @dataclass
@@ -57,22 +57,17 @@ class TransformerConfig(_MegatronTransformerConfig):
 
 
 def check_gdn_field_types(config) -> bool:
-    """The types of the two GDN fields (TypeError: a string or an int is not a bool); returns
-    whether the config asks for the fused norm."""
-    fused = _check_flag("fused_gated_norm", getattr(config, "fused_gated_norm", False))
-    _check_flag("gdn_out_norm_zero_centered_gamma",
-                getattr(config, "gdn_out_norm_zero_centered_gamma", None), none_follows=True)
+    """The types of the two GDN fields (TypeError naming the config's class: a string or an int
+    is not a bool); returns whether the config asks for the fused norm."""
+    entry = type(config).__name__
+    fused = check_bool(entry, "fused_gated_norm", getattr(config, "fused_gated_norm", False))
+    check_bool(entry, "gdn_out_norm_zero_centered_gamma",
+               getattr(config, "gdn_out_norm_zero_centered_gamma", None), FOLLOW_GLOBAL_FLAG)
     return fused
 
 
-def _check_flag(name: str, value, none_follows: bool = False):
-    """``value`` is True or False (TypeError: a string or an int is not a bool), or None where
-    it means "follow layernorm_zero_centered_gamma"; returns it."""
-    if not (isinstance(value, bool) or (none_follows and value is None)):
-        choices = "None (follow layernorm_zero_centered_gamma), True or False" if none_follows \
-            else "True or False"
-        raise TypeError(f"{name} must be {choices}, got {value!r}")
-    return value
+# What an unset gdn_out_norm_zero_centered_gamma means.
+FOLLOW_GLOBAL_FLAG = "follow layernorm_zero_centered_gamma"
 
 
 def validate_gdn_config(config) -> None:
@@ -98,8 +93,10 @@ def gdn_out_norm_zero_centered(config) -> bool:
     ``gdn_out_norm_zero_centered_gamma`` when set, else ``layernorm_zero_centered_gamma``.
     Accepts a plain megatron TransformerConfig too (no override field: the global flag).
     TypeError when the flag it reads is not a bool (a string 'false' would read as True)."""
-    value = _check_flag("gdn_out_norm_zero_centered_gamma",
-                        getattr(config, "gdn_out_norm_zero_centered_gamma", None), none_follows=True)
+    entry = type(config).__name__
+    value = check_bool(entry, "gdn_out_norm_zero_centered_gamma",
+                       getattr(config, "gdn_out_norm_zero_centered_gamma", None), FOLLOW_GLOBAL_FLAG)
     if value is None:
-        return _check_flag("layernorm_zero_centered_gamma", config.layernorm_zero_centered_gamma)
+        return check_bool(entry, "layernorm_zero_centered_gamma",
+                          config.layernorm_zero_centered_gamma)
     return value

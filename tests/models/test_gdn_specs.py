@@ -134,7 +134,8 @@ def test_hybrid_block_with_moe_mlps_matches_unfused():
 
 
 def test_use_te_is_a_bool_and_agrees_with_transformer_impl():
-    with pytest.raises(TypeError, match="use_te must be None, True or False"):
+    with pytest.raises(TypeError, match=r"gdn_specs: use_te must be None \(Transformer Engine when "
+                                        r"installed and transformer_impl asks for it\), True or False"):
         get_gdn_module_spec(use_te="yes")
     local = gdn_config(transformer_impl="local")
     with pytest.raises(ValueError, match="use_te=True requires config.transformer_impl"):

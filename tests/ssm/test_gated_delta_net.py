@@ -410,7 +410,7 @@ def test_construction_checks_fields_set_on_any_config():
     an attribute assigned later) is checked when the layer is built."""
     config = gdn_config()
     config.fused_gated_norm = "yes"
-    with pytest.raises(TypeError, match="fused_gated_norm must be True or False"):
+    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\)"):
         build_gdn_module(config)
     config.fused_gated_norm = True
     config.activation_func = F.gelu

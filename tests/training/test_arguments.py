@@ -109,7 +109,7 @@ def test_gelu_gate_refused_naming_swiglu(monkeypatch):
 def test_string_is_not_a_bool(monkeypatch):
     args = megatron_args(monkeypatch)
     args.fused_gated_norm = "false"
-    with pytest.raises(TypeError, match=r"fused_gated_norm must be True or False, got 'false'"):
+    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\), got 'false'"):
         transformer_config_from_args(args)
     args.fused_gated_norm = False
     args.gdn_out_norm_zero_centered_gamma = 1

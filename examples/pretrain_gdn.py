@@ -201,7 +201,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup_steps is None:
-        args.warmup_steps = min(max(1, args.steps // 10), args.steps - 1)
+        args.warmup_steps = pretrain_report.default_warmup_steps(args.steps)
     if not 0 <= args.warmup_steps < args.steps:  # megatron's scheduler decays after the warm-up
         raise SystemExit(f"--warmup-steps must be >= 0 and < --steps {args.steps}, "
                          f"got {args.warmup_steps}")

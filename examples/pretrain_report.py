@@ -28,6 +28,12 @@ ULP_AGREEMENT = 8  # "agrees" = within this many fp32 ulps of the loss
 LATE_FRACTION = 0.2  # the "late" window: the last 20 % of steps
 
 
+def default_warmup_steps(steps: int) -> int:
+    """The learning-rate warm-up of both example runners: a tenth of the steps, at least one,
+    and at least one step left after it (megatron's scheduler decays after the warm-up)."""
+    return min(max(1, steps // 10), steps - 1)
+
+
 def tokens_per_second(run: dict) -> float:
     """Tokens per step / the median step time after warm-up (robust to a busy machine)."""
     times = run["step_times"]

@@ -328,9 +328,11 @@ def main(argv=None) -> dict:
 
     args.data_prefix = build_indexed_dataset(os.path.join(args.out, "data", "stdlib_docstrings"))
     ckpt = os.path.join(args.out, "checkpoints")
-    # megatron's scheduler decays after the warm-up: at least one iteration is left for it
-    warmup = min(max(1, args.steps // 10), args.steps - 1)
-    train = ["--train-iters", str(args.steps), "--lr-warmup-iters", str(warmup)]
+    sys.path.insert(0, HERE)
+    from pretrain_report import default_warmup_steps, run_environment
+
+    train = ["--train-iters", str(args.steps), "--lr-warmup-iters",
+             str(default_warmup_steps(args.steps))]
     runs = {}
     for tp in args.tp_sizes:
         for fused in (False, True):
@@ -347,9 +349,6 @@ def main(argv=None) -> dict:
                 "--load", os.path.join(ckpt, saver), "--ckpt-step", str(args.save_at)])
             same_flag = runs[f"tp{tp}_{'on' if fused else 'off'}"]
             resumes[name] = resume_summary(runs[saver], runs[name], same_flag, args.save_at)
-    sys.path.insert(0, HERE)
-    from pretrain_report import run_environment
-
     summary = {
         "device": runs[next(iter(runs))]["device"],
         "env": run_environment([__file__, *(sys.argv[1:] if argv is None else argv)]),

@@ -4,7 +4,9 @@ same model at TP 1 / CP 1 / one pipeline stage (test-side only; never imported b
 Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"gdn"``: one ``core.ssm.GatedDeltaNet`` from ``core.models.get_gdn_module_spec(False)``;
   * ``"gpt"``: a ``GPTModel`` over ``get_gdn_hybrid_block_spec`` (4 layers: GDN, GDN, GDN,
-    softmax attention), for pipeline parallelism.
+    softmax attention), for pipeline parallelism;
+  * ``"gpt-moe"``: the same with MoE MLPs in every layer (:data:`MOE_SIZES`, as Qwen3-Next),
+    for expert parallelism (experts not split over TP: expert_tensor_parallel_size 1).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -46,7 +48,7 @@ import re
 import sys
 import traceback
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -58,6 +60,11 @@ SEQ = 32          # divisible by 2 x CP x TP of every layout (load-balanced CP c
 BATCH = 2         # sbhd batch (DP 2 gives one sample per rank); GPT: one micro-batch per sample
 PACKED_SEQLENS = (8, 12, 12)  # THD: three sequences, B = 1; each divisible by 2 x CP
 GPT_LAYERS = 4    # linear_attention_freq 4: layers 0-2 GDN, layer 3 attention
+# gpt-moe: 4 experts of 16 (2 per rank at EP 2), top-2 routing without a load-balancing loss
+# and without dropping tokens, megatron's default (all-gather) token dispatcher: its all-to-all
+# dispatcher creates a CUDA stream at construction.
+MOE_SIZES = dict(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
 VOCAB = 64
 LR = 1e-2
 # max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
@@ -75,7 +82,9 @@ def tolerance(name: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One parallel layout. ``world_size = tp * cp * pp * dp``."""
+    """One parallel layout. ``world_size = tp * cp * pp * dp``; expert parallelism (``ep``,
+    model "gpt-moe") takes its ranks from TP x DP, as megatron's does with experts not split
+    over TP."""
 
     name: str
     tp: int = 1
@@ -87,15 +96,19 @@ class Layout:
     distributed_optimizer: bool = False
     fsdp: bool = False                   # Megatron-FSDP (CUDA only)
     recompute: bool = False              # selective recompute of 'gdn_norm_out'
-    model: str = "gdn"                   # "gdn" (one GatedDeltaNet) or "gpt" (GPTModel)
+    model: str = "gdn"                   # "gdn" (one GatedDeltaNet), "gpt" or "gpt-moe" (GPTModel)
+    ep: int = 1                          # expert parallelism ("gpt-moe")
 
     def __post_init__(self):
-        if self.model not in ("gdn", "gpt"):
-            raise ValueError(f"Layout.model must be 'gdn' or 'gpt', got {self.model!r}")
-        if self.pp > 1 and self.model != "gpt":
-            raise ValueError(f"Layout {self.name}: pp > 1 needs model='gpt' (stages of a GPTModel)")
-        if self.model == "gpt" and (self.cp > 1 or self.dp > 1 or self.packed):
-            raise ValueError(f"Layout {self.name}: the GPT model runs with TP and PP only")
+        if self.model not in MODELS:
+            raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
+        if self.pp > 1 and self.model == "gdn":
+            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a GPTModel)")
+        if self.model != "gdn" and (self.cp > 1 or self.dp > 1 or self.packed):
+            raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP and EP only")
+        if self.ep > 1 and (self.model != "gpt-moe" or (self.tp * self.dp) % self.ep):
+            raise ValueError(f"Layout {self.name}: ep > 1 needs model='gpt-moe' and ep dividing "
+                             "tp x dp")
         if self.packed and self.dp > 1:
             raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
         if self.sequence_parallel and self.tp == 1:
@@ -108,10 +121,12 @@ class Layout:
     @property
     def data(self) -> str:
         """Which reference batch the layout runs: 'sbhd', 'thd' or 'tokens'."""
-        return "tokens" if self.model == "gpt" else ("thd" if self.packed else "sbhd")
+        return "tokens" if self.model != "gdn" else ("thd" if self.packed else "sbhd")
 
 
-REFERENCE = {"gdn": Layout("reference"), "gpt": Layout("reference-gpt", model="gpt")}
+MODELS = ("gdn", "gpt", "gpt-moe")
+REFERENCE = {"gdn": Layout("reference"), "gpt": Layout("reference-gpt", model="gpt"),
+             "gpt-moe": Layout("reference-gpt-moe", model="gpt-moe")}
 
 
 def case_key(layout: Layout, fused: bool) -> str:
@@ -159,7 +174,8 @@ def init_layout(layout: Layout, seed: int = 1234) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp)
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -168,7 +184,7 @@ def coordinates() -> dict:
 
     return dict(rank=torch.distributed.get_rank(), tp=ps.get_tensor_model_parallel_rank(),
                 cp=ps.get_context_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                dp=ps.get_data_parallel_rank())
+                dp=ps.get_data_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,10 +199,13 @@ def layout_config(layout: Layout, fused: bool):
     extra = {}
     if layout.recompute:
         extra.update(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
-    if layout.model == "gpt":
+    if layout.model != "gdn":
         extra.update(num_layers=GPT_LAYERS, linear_attention_freq=4)
         if layout.pp > 1:
             extra.update(pipeline_dtype=torch.float32)
+    if layout.model == "gpt-moe":
+        extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
+                     expert_tensor_parallel_size=1)
     return gdn_config(
         params_dtype=torch.float32, fused_gated_norm=fused,
         tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
@@ -226,27 +245,47 @@ def build_model(layout: Layout, config, seed: Optional[int] = None) -> torch.nn.
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def global_name(name: str, layer_offset: int) -> str:
-    """A pipeline stage's parameter name in the one-stage model (layer numbers shifted)."""
-    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+class Offsets(NamedTuple):
+    """Where a rank's parameters sit in the one-stage, EP 1 model: its pipeline stage's first
+    layer and its first expert."""
+    layer: int = 0
+    expert: int = 0
 
 
-def _layer_offset(layout: Layout, config) -> int:
-    if layout.model != "gpt":
-        return 0
+def global_name(name: str, offsets: Offsets) -> str:
+    """A rank's parameter name in the one-stage, EP 1 model (layer and expert numbers shifted)."""
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offsets.layer}.", name)
+    return _LOCAL_EXPERT.sub(
+        lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + offsets.expert}.", name)
+
+
+def _offsets(layout: Layout, config) -> Offsets:
+    if layout.model == "gdn":
+        return Offsets()
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return get_transformer_layer_offset(config)
+    experts = (config.num_moe_experts or 0) // layout.ep
+    return Offsets(get_transformer_layer_offset(config),
+                   parallel_state.get_expert_model_parallel_rank() * experts)
+
+
+def is_expert(param) -> bool:
+    """A parameter of an MoE expert (megatron marks them ``allreduce=False``: reduced over the
+    expert data-parallel group)."""
+    return not getattr(param, "allreduce", True)
 
 
 def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_size: int,
-                   layer_offset: int = 0) -> dict:
-    """This rank's shard of a one-stage, TP 1 state (or gradient) dict ``full``, keyed by
+                   offsets: Offsets = Offsets()) -> dict:
+    """This rank's shard of a one-stage, TP 1, EP 1 state (or gradient) dict ``full``, keyed by
     ``model``'s own state-dict names: the GDN modules' sections by ``shard_gdn_state_dict``
     (in_proj [q|k|v|z|beta|alpha] and conv1d [q|k|v] split per section), other
-    tensor-parallel parameters split along their ``partition_dim``, the rest whole."""
+    tensor-parallel parameters split along their ``partition_dim``, the rank's experts whole
+    (not split over TP), the rest whole."""
     from megatron.core.ssm.gated_delta_net.common import _GDNBase
 
     from core.testing.gdn import shard_gdn_state_dict
@@ -256,7 +295,7 @@ def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_
     params = dict(model.named_parameters())
     out = {}
     for name in model.state_dict():
-        key = global_name(name, layer_offset)
+        key = global_name(name, offsets)
         if key not in full and name not in params:
             continue  # a buffer that the dict (gradients) does not carry
         tensor = full[key]
@@ -265,7 +304,8 @@ def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_
         if prefix is not None:
             out[name] = shard_gdn_state_dict({name: tensor}, config, tp_rank, tp_size,
                                              prefix=prefix)[name]
-        elif param is not None and getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+        elif (param is not None and getattr(param, "tensor_model_parallel", False) and tp_size > 1
+              and not is_expert(param)):
             out[name] = tensor.chunk(tp_size, dim=param.partition_dim)[tp_rank].clone()
         elif isinstance(tensor, torch.Tensor):
             out[name] = tensor.clone()
@@ -319,7 +359,7 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     batch = data[layout.data]
-    if layout.model == "gpt":
+    if layout.model != "gdn":
         positions = torch.arange(SEQ).unsqueeze(0)
         return [dict(tokens=batch["tokens"][b:b + 1].to(device),
                      labels=batch["labels"][b:b + 1].to(device), position_ids=positions.to(device))
@@ -463,18 +503,19 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     coords = coordinates()
     config = layout_config(layout, fused)
     model = build_model(layout, config, seed=99)
-    offset = _layer_offset(layout, config)
+    offsets = _offsets(layout, config)
     initial = shard_for_rank(reference["weights"][layout.model], model, config, coords["tp"],
-                             layout.tp, offset)
+                             layout.tp, offsets)
     model.load_state_dict(initial)
     model.to(device)
     # Names, TP attributes and expected shards from the module as built (Megatron-FSDP replaces
     # the parameters when it wraps the module).
-    names = {n: global_name(n, offset) for n, _ in model.named_parameters()}
+    names = {n: global_name(n, offsets) for n, _ in model.named_parameters()}
     record = dict(
         coords=coords, fused=fused,
         tensor_parallel={
-            names[n]: layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
+            names[n]: (layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
+                       and not is_expert(p))
             for n, p in model.named_parameters()},
         fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for m in model.modules()
                        if hasattr(m, "out_norm")],
@@ -483,7 +524,7 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     )
     if reference_grads is not None:
         # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
-        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offset)
+        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offsets)
         record["expected"] = {names[n]: sharded[n].float() / layout.dp for n in names}
         record["expected_scale"] = {
             names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in names}
@@ -500,9 +541,9 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     batches = local_batches(layout, reference["data"], coords, device)
     wrapped.zero_grad_buffer()
     get_forward_backward_func()(
-        forward_step_func=_gpt_forward_step if layout.model == "gpt" else _gdn_forward_step,
+        forward_step_func=_gdn_forward_step if layout.model == "gdn" else _gpt_forward_step,
         data_iterator=iter(batches), model=[wrapped], num_microbatches=len(batches),
-        seq_length=SEQ, micro_batch_size=1 if layout.model == "gpt" else BATCH // layout.dp,
+        seq_length=SEQ, micro_batch_size=BATCH // layout.dp if layout.model == "gdn" else 1,
         forward_only=False)
 
     params = dict(inner.named_parameters())
@@ -524,7 +565,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 
 
 REFERENCE_CASES = tuple((model, data, fused) for model, datas in (("gdn", ("sbhd", "thd")),
-                                                                   ("gpt", ("tokens",)))
+                                                                   ("gpt", ("tokens",)),
+                                                                   ("gpt-moe", ("tokens",)))
                         for data in datas for fused in (True, False))
 
 

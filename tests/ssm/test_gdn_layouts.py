@@ -1,6 +1,6 @@
 """The layout matrix on the CPU (gloo, spawned processes): GDN models under TP, SP, CP, packed
-sequences, PP, the distributed optimizer and selective recompute, flag on and off, against the
-same model at TP 1 / CP 1 / one stage (core.testing.parallel; docs/tensor_parallel.md, section
+sequences, PP, EP (MoE MLPs), the distributed optimizer and selective recompute, flag on and
+off, against the same model at TP 1 / CP 1 / one stage / EP 1 (core.testing.parallel; docs/tensor_parallel.md, section
 "Parallel layouts").
 
 Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
@@ -20,14 +20,16 @@ import contextlib
 import copy
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
 
 from core.testing.cpu import init_cpu_model_parallel
-from core.testing.parallel import (REFERENCE, Layout, case_key, grad_mismatches,
-                                   layout_config, make_reference, partial_out_norm_grad,
-                                   reference_worker, replica_mismatches, run_case, spawn_layouts)
+from core.testing.parallel import (DECAY_PARAMS, REFERENCE, Layout, case_key, grad_errors,
+                                   grad_mismatches, layout_config, make_reference,
+                                   partial_out_norm_grad, reference_worker, replica_mismatches,
+                                   run_case, spawn_layouts)
 
 WORLDS = {
     2: (
@@ -39,6 +41,8 @@ WORLDS = {
         Layout("thd-tp2-sp", tp=2, sequence_parallel=True, packed=True),
         Layout("thd-cp2-recompute", cp=2, packed=True, recompute=True),
         Layout("pp2", pp=2, model="gpt"),
+        # MoE MLPs, experts over EP, not split over TP (expert_tensor_parallel_size 1)
+        Layout("moe-tp2-sp-ep2", tp=2, sequence_parallel=True, ep=2, model="gpt-moe"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -50,6 +54,8 @@ WORLDS = {
                recompute=True),
         Layout("pp2-tp2-sp-recompute", pp=2, tp=2, sequence_parallel=True, recompute=True,
                model="gpt"),
+        Layout("moe-tp4-sp-ep4-recompute", tp=4, sequence_parallel=True, ep=4, recompute=True,
+               model="gpt-moe"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -128,6 +134,13 @@ def test_every_gradient_matches_reference(worlds, layout, fused):
     if layout.distributed_optimizer:
         assert all("owned" in record for record in records)
     assert grad_mismatches(records) == []
+    # the errors docs/tensor_parallel.md quotes (shown with -s)
+    errors = grad_errors(records)
+    decay = [e for n, e in errors.items() if n.rsplit(".", 1)[-1] in DECAY_PARAMS]
+    print(f"\n{case_key(layout, fused)}: largest gradient error "
+          f"{max(e for n, e in errors.items() if n.rsplit('.', 1)[-1] not in DECAY_PARAMS):.1e}, "
+          f"out_norm {max(e for n, e in errors.items() if n.endswith('out_norm.weight')):.1e}, "
+          f"A_log / dt_bias {max(decay, default=0.0):.1e}")
 
 
 @pytest.mark.parametrize("layout, fused", CASES, ids=CASE_IDS)
@@ -143,6 +156,34 @@ def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused)
     assert holders
     assert sum(len(ranks) for ranks in holders.values()) >= layout.world_size
     assert all(len(ranks) == layout.world_size // layout.pp for ranks in holders.values())
+
+
+MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]
+
+
+@pytest.mark.parametrize("layout, fused", MOE_CASES,
+                         ids=[case_key(layout, fused) for layout, fused in MOE_CASES])
+def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused):
+    """Each MoE layer's experts lie on the EP ranks, num_moe_experts / EP each and every expert
+    on one rank (the TP ranks of this layout are the EP ranks): the layout is expert parallel,
+    not a replicated MoE."""
+    from core.testing.parallel import MOE_SIZES
+
+    experts = MOE_SIZES["num_moe_experts"]
+    held = {}
+    for record in _records(worlds, layout, fused):
+        for name in record["params"]:
+            match = re.search(r"^(decoder\.layers\.\d+)\.mlp\.experts\.local_experts\.(\d+)\."
+                              r"linear_fc1\.weight$", name)
+            if match:
+                held.setdefault(match.group(1), []).append((record["coords"]["ep"],
+                                                            int(match.group(2))))
+    assert len(held) == 4  # every layer of the GPT model has MoE MLPs
+    for layer, placed in held.items():
+        assert sorted(index for _, index in placed) == list(range(experts)), layer
+        for ep_rank in range(layout.ep):
+            assert sorted(i for r, i in placed if r == ep_rank) == list(
+                range(ep_rank * experts // layout.ep, (ep_rank + 1) * experts // layout.ep)), layer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.testing.parallel import thd_cp_indices
+from core.testing.parallel import Layout, Offsets, global_name, thd_cp_indices
 
 
 def test_thd_cp_indices():
@@ -14,3 +14,26 @@ def test_thd_cp_indices():
     assert thd_cp_indices(cu, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
     with pytest.raises(ValueError, match="not divisible by 2 x cp_size = 4"):
         thd_cp_indices(torch.tensor([0, 6]), 2, 0)
+
+
+def test_global_name_shifts_layers_and_experts():
+    """A rank's parameter names in the one-stage, EP 1 model: pipeline stages shift the layer
+    number, expert-parallel ranks the local expert number."""
+    name = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+    assert global_name(name, Offsets()) == name
+    assert global_name(name, Offsets(layer=2, expert=3)) == (
+        "decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight")
+    assert global_name("decoder.layers.0.self_attention.out_norm.weight", Offsets(2, 3)) == (
+        "decoder.layers.2.self_attention.out_norm.weight")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(ep=2, tp=2), "ep > 1 needs model='gpt-moe'"),
+    (dict(ep=4, tp=2, model="gpt-moe"), "ep dividing tp x dp"),
+    (dict(model="moe"), "Layout.model must be one of"),
+    (dict(dp=2, model="gpt-moe"), "the GPT models run with TP, PP and EP only"),
+], ids=["ep-without-moe", "ep-not-dividing", "model", "gpt-dp"])
+def test_layout_refuses_what_the_harness_cannot_run(changes, message):
+    with pytest.raises(ValueError, match=message):
+        Layout("bad", **changes)
+    assert Layout("ok", tp=2, ep=2, sequence_parallel=True, model="gpt-moe").world_size == 2

@@ -1,10 +1,12 @@
 """The layout matrix: GDN models trained one step under a parallel layout and compared with the
-same model at TP 1 / CP 1 / one pipeline stage (test-side only; never imported by the library).
+same model at TP 1 / CP 1 / one pipeline stage / EP 1 (test-side only; never imported by the
+library).
 
 Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"gdn"``: one ``core.ssm.GatedDeltaNet`` from ``core.models.get_gdn_module_spec(False)``;
   * ``"gpt"``: a ``GPTModel`` over ``get_gdn_hybrid_block_spec`` (4 layers: GDN, GDN, GDN,
-    softmax attention), for pipeline parallelism;
+    softmax attention), for pipeline parallelism (with virtual stages: one model chunk per
+    stage, megatron's interleaved schedule);
   * ``"gpt-moe"``: the same with MoE MLPs in every layer (:data:`MOE_SIZES`, as Qwen3-Next),
     for expert parallelism (experts not split over TP: expert_tensor_parallel_size 1).
 
@@ -98,6 +100,7 @@ class Layout:
     recompute: bool = False              # selective recompute of 'gdn_norm_out'
     model: str = "gdn"                   # "gdn" (one GatedDeltaNet), "gpt" or "gpt-moe" (GPTModel)
     ep: int = 1                          # expert parallelism ("gpt-moe")
+    vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT models)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -109,6 +112,9 @@ class Layout:
         if self.ep > 1 and (self.model != "gpt-moe" or (self.tp * self.dp) % self.ep):
             raise ValueError(f"Layout {self.name}: ep > 1 needs model='gpt-moe' and ep dividing "
                              "tp x dp")
+        if self.vp > 1 and (self.pp == 1 or self.model == "gdn" or GPT_LAYERS % (self.pp * self.vp)):
+            raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
+                             f"dividing its {GPT_LAYERS} layers")
         if self.packed and self.dp > 1:
             raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
         if self.sequence_parallel and self.tp == 1:
@@ -175,7 +181,8 @@ def init_layout(layout: Layout, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=1)
+        expert_tensor_parallel_size=1,
+        virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -203,6 +210,8 @@ def layout_config(layout: Layout, fused: bool):
         extra.update(num_layers=GPT_LAYERS, linear_attention_freq=4)
         if layout.pp > 1:
             extra.update(pipeline_dtype=torch.float32)
+        if layout.vp > 1:
+            extra.update(virtual_pipeline_model_parallel_size=layout.vp)
     if layout.model == "gpt-moe":
         extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
                      expert_tensor_parallel_size=1)
@@ -219,8 +228,17 @@ def _no_input_tensor(input_tensor) -> None:
     """``set_input_tensor`` of a single-stage module (the schedule calls it with None)."""
 
 
-def build_model(layout: Layout, config, seed: Optional[int] = None) -> torch.nn.Module:
-    """This rank's model: the GatedDeltaNet module, or this pipeline stage of the GPT model."""
+def build_chunks(layout: Layout, config, seed: Optional[int] = None) -> list:
+    """This rank's model chunks: one (:func:`build_model`), or one per virtual pipeline stage."""
+    if layout.vp == 1:
+        return [build_model(layout, config, seed)]
+    return [build_model(layout, config, seed, vp_stage) for vp_stage in range(layout.vp)]
+
+
+def build_model(layout: Layout, config, seed: Optional[int] = None,
+                vp_stage: Optional[int] = None) -> torch.nn.Module:
+    """This rank's model: the GatedDeltaNet module, or this pipeline stage of the GPT model
+    (``vp_stage``: that virtual stage of it)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.enums import ModelType
@@ -236,12 +254,13 @@ def build_model(layout: Layout, config, seed: Optional[int] = None) -> torch.nn.
         return module
     _reseed(seed)
     return GPTModel(
-        config=config, transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False),
+        config=config,
+        transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage),
         vocab_size=VOCAB, max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         # untied, as Qwen3-Next (and tying needs a CUDA copy in megatron's PP setup)
-        share_embeddings_and_output_weights=False)
+        share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -262,14 +281,14 @@ def global_name(name: str, offsets: Offsets) -> str:
         lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + offsets.expert}.", name)
 
 
-def _offsets(layout: Layout, config) -> Offsets:
+def _offsets(layout: Layout, config, vp_stage: Optional[int] = None) -> Offsets:
     if layout.model == "gdn":
         return Offsets()
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     experts = (config.num_moe_experts or 0) // layout.ep
-    return Offsets(get_transformer_layer_offset(config),
+    return Offsets(get_transformer_layer_offset(config, vp_stage=vp_stage),
                    parallel_state.get_expert_model_parallel_rank() * experts)
 
 
@@ -502,60 +521,74 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 
     coords = coordinates()
     config = layout_config(layout, fused)
-    model = build_model(layout, config, seed=99)
-    offsets = _offsets(layout, config)
-    initial = shard_for_rank(reference["weights"][layout.model], model, config, coords["tp"],
-                             layout.tp, offsets)
-    model.load_state_dict(initial)
-    model.to(device)
-    # Names, TP attributes and expected shards from the module as built (Megatron-FSDP replaces
-    # the parameters when it wraps the module).
-    names = {n: global_name(n, offsets) for n, _ in model.named_parameters()}
+    chunks = build_chunks(layout, config, seed=99)
+    vp_stages = range(layout.vp) if layout.vp > 1 else (None,)
+    # Per chunk: local parameter name -> name in the one-stage, EP 1 model, and the shapes, TP
+    # attributes and expected shards of the parameters as built (Megatron-FSDP replaces the
+    # parameters when it wraps the module).
+    names, local_shapes, initial, expected = [], [], {}, {}
+    for chunk, vp_stage in zip(chunks, vp_stages):
+        offsets = _offsets(layout, config, vp_stage)
+        shard = shard_for_rank(reference["weights"][layout.model], chunk, config, coords["tp"],
+                               layout.tp, offsets)
+        chunk.load_state_dict(shard)
+        chunk.to(device)
+        chunk_names = {n: global_name(n, offsets) for n, _ in chunk.named_parameters()}
+        names.append(chunk_names)
+        local_shapes.append({n: p.shape for n, p in chunk.named_parameters()})
+        initial.update({chunk_names[n]: shard[n].float() for n in chunk_names})
+        if reference_grads is not None:
+            grads = shard_for_rank(reference_grads, chunk, config, coords["tp"], layout.tp, offsets)
+            expected.update({chunk_names[n]: grads[n].float() for n in chunk_names})
     record = dict(
         coords=coords, fused=fused,
         tensor_parallel={
-            names[n]: (layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
-                       and not is_expert(p))
-            for n, p in model.named_parameters()},
-        fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for m in model.modules()
-                       if hasattr(m, "out_norm")],
-        recompute_modules=[bool(m.recompute_norm_out) for m in model.modules()
+            chunk_names[n]: (layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
+                             and not is_expert(p))
+            for chunk, chunk_names in zip(chunks, names) for n, p in chunk.named_parameters()},
+        fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for chunk in chunks
+                       for m in chunk.modules() if hasattr(m, "out_norm")],
+        recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
                            if hasattr(m, "recompute_norm_out")],
     )
     if reference_grads is not None:
         # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
-        sharded = shard_for_rank(reference_grads, model, config, coords["tp"], layout.tp, offsets)
-        record["expected"] = {names[n]: sharded[n].float() / layout.dp for n in names}
+        record["expected"] = {name: grad / layout.dp for name, grad in expected.items()}
         record["expected_scale"] = {
-            names[n]: float(reference_grads[names[n]].abs().max()) / layout.dp for n in names}
-        record["initial"] = {names[n]: initial[n].float() for n in names}
+            name: float(reference_grads[name].abs().max()) / layout.dp for name in expected}
+        record["initial"] = initial
 
-    local_shapes = {n: p.shape for n, p in model.named_parameters()}
-    wrapped, inner = _wrap(layout, config, model)
+    wrapped, inner = zip(*[_wrap(layout, config, chunk) for chunk in chunks])
     with cpu_tensor_types():
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=LR, params_dtype=torch.float32,
                             use_distributed_optimizer=layout.distributed_optimizer or layout.fsdp),
-            [wrapped])
+            list(wrapped))
     config.finalize_model_grads_func = finalize_model_grads  # as megatron's training loop
     batches = local_batches(layout, reference["data"], coords, device)
-    wrapped.zero_grad_buffer()
+    for chunk in wrapped:
+        chunk.zero_grad_buffer()
     get_forward_backward_func()(
         forward_step_func=_gdn_forward_step if layout.model == "gdn" else _gpt_forward_step,
-        data_iterator=iter(batches), model=[wrapped], num_microbatches=len(batches),
-        seq_length=SEQ, micro_batch_size=BATCH // layout.dp if layout.model == "gdn" else 1,
-        forward_only=False)
+        # the interleaved schedule reads each chunk's micro-batches from its own iterator
+        data_iterator=[iter(batches) for _ in chunks] if layout.vp > 1 else iter(batches),
+        model=list(wrapped), num_microbatches=len(batches), seq_length=SEQ,
+        micro_batch_size=BATCH // layout.dp if layout.model == "gdn" else 1, forward_only=False)
 
-    params = dict(inner.named_parameters())
-    record["grads"] = {names[n]: _tp_local(_full(_main_grad(p)), p, local_shapes[n], coords["tp"],
-                                           layout.tp) for n, p in params.items()}
+    def each_parameter():  # (global name, parameter, local shape) of every chunk
+        for module, chunk_names, shapes in zip(inner, names, local_shapes):
+            for n, p in module.named_parameters():
+                yield chunk_names[n], p, shapes[n]
+
+    record["grads"] = {name: _tp_local(_full(_main_grad(p)), p, shape, coords["tp"], layout.tp)
+                       for name, p, shape in each_parameter()}
     if layout.distributed_optimizer:
-        record["owned"] = {names[n]: r for n, r in _owned_ranges(optimizer, params).items()}
+        record["owned"] = _owned_ranges(optimizer, {name: p for name, p, _ in each_parameter()})
     with cpu_tensor_types():
         update_successful, _, _ = optimizer.step()
     record["update_successful"] = bool(update_successful)
-    record["params"] = {names[n]: _tp_local(_full(p), p, local_shapes[n], coords["tp"], layout.tp)
-                        for n, p in inner.named_parameters()}
+    record["params"] = {name: _tp_local(_full(p), p, shape, coords["tp"], layout.tp)
+                        for name, p, shape in each_parameter()}
     return record
 
 

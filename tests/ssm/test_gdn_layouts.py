@@ -1,7 +1,7 @@
 """The layout matrix on the CPU (gloo, spawned processes): GDN models under TP, SP, CP, packed
-sequences, PP, EP (MoE MLPs), the distributed optimizer and selective recompute, flag on and
-off, against the same model at TP 1 / CP 1 / one stage / EP 1 (core.testing.parallel; docs/tensor_parallel.md, section
-"Parallel layouts").
+sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer and selective
+recompute, flag on and off, against the same model at TP 1 / CP 1 / one stage / EP 1
+(core.testing.parallel; docs/tensor_parallel.md, section "Parallel layouts").
 
 Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
 equals the reference gradient (sharded like the parameter) within fp32 tolerance on every rank,
@@ -41,6 +41,8 @@ WORLDS = {
         Layout("thd-tp2-sp", tp=2, sequence_parallel=True, packed=True),
         Layout("thd-cp2-recompute", cp=2, packed=True, recompute=True),
         Layout("pp2", pp=2, model="gpt"),
+        # the interleaved schedule: two virtual stages of one layer on each pipeline rank
+        Layout("pp2-vp2", pp=2, vp=2, model="gpt"),
         # MoE MLPs, experts over EP, not split over TP (expert_tensor_parallel_size 1)
         Layout("moe-tp2-sp-ep2", tp=2, sequence_parallel=True, ep=2, model="gpt-moe"),
     ),
@@ -56,6 +58,8 @@ WORLDS = {
                model="gpt"),
         Layout("moe-tp4-sp-ep4-recompute", tp=4, sequence_parallel=True, ep=4, recompute=True,
                model="gpt-moe"),
+        Layout("pp2-vp2-tp2-sp-recompute", pp=2, vp=2, tp=2, sequence_parallel=True,
+               recompute=True, model="gpt"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -156,6 +160,21 @@ def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused)
     assert holders
     assert sum(len(ranks) for ranks in holders.values()) >= layout.world_size
     assert all(len(ranks) == layout.world_size // layout.pp for ranks in holders.values())
+
+
+VIRTUAL_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES if layout.vp > 1]
+
+
+@pytest.mark.parametrize("layout, fused", VIRTUAL_PIPELINE_CASES,
+                         ids=[case_key(layout, fused) for layout, fused in VIRTUAL_PIPELINE_CASES])
+def test_virtual_pipeline_stages_interleave_the_layers(worlds, layout, fused):
+    """With virtual stages, pipeline rank r holds layers r, r + PP, ... (one model chunk each):
+    the interleaved schedule ran, not one contiguous stage per rank."""
+    for record in _records(worlds, layout, fused):
+        layers = {int(m.group(1)) for name in record["params"]
+                  if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+        pp_rank = record["coords"]["pp"]
+        assert sorted(layers) == list(range(pp_rank, 4, layout.pp)), (record["coords"], layers)
 
 
 MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]

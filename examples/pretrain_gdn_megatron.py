@@ -293,6 +293,8 @@ def write_metrics(path: str) -> None:
         "fused_gated_norm": args.fused_gated_norm,
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
+        "num_experts": args.num_experts,
         "global_batch_size": args.global_batch_size,
         "seq_length": args.seq_length,
         "loaded_iteration": args.iteration if args.load else None,

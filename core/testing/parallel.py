@@ -86,7 +86,7 @@ def tolerance(name: str) -> float:
 class Layout:
     """One parallel layout. ``world_size = tp * cp * pp * dp``; expert parallelism (``ep``,
     model "gpt-moe") takes its ranks from TP x DP, as megatron's does with experts not split
-    over TP."""
+    over TP (each expert on tp * dp / ep ranks)."""
 
     name: str
     tp: int = 1
@@ -107,8 +107,9 @@ class Layout:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
         if self.pp > 1 and self.model == "gdn":
             raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a GPTModel)")
-        if self.model != "gdn" and (self.cp > 1 or self.dp > 1 or self.packed):
-            raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP and EP only")
+        if self.model != "gdn" and (self.cp > 1 or self.packed or BATCH % self.dp):
+            raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP, EP and DP "
+                             f"dividing their {BATCH} micro-batches")
         if self.ep > 1 and (self.model != "gpt-moe" or (self.tp * self.dp) % self.ep):
             raise ValueError(f"Layout {self.name}: ep > 1 needs model='gpt-moe' and ep dividing "
                              "tp x dp")
@@ -378,11 +379,11 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     batch = data[layout.data]
-    if layout.model != "gdn":
+    if layout.model != "gdn":  # one sample per micro-batch, the micro-batches split over DP
         positions = torch.arange(SEQ).unsqueeze(0)
         return [dict(tokens=batch["tokens"][b:b + 1].to(device),
                      labels=batch["labels"][b:b + 1].to(device), position_ids=positions.to(device))
-                for b in range(BATCH)]
+                for b in range(coords["dp"], BATCH, layout.dp)]
     hidden, weight = batch["hidden"], batch["loss_weight"]
     packed = None
     if layout.packed:
@@ -552,10 +553,13 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                            if hasattr(m, "recompute_norm_out")],
     )
     if reference_grads is not None:
-        # DDP averages over DP x CP, the schedule multiplies the loss by CP: full gradient / DP
-        record["expected"] = {name: grad / layout.dp for name, grad in expected.items()}
+        # DDP averages over DP x CP and the schedule multiplies the loss by CP: the GDN module's
+        # one micro-batch split over DP gives the full gradient / DP. The GPT models' micro-batches
+        # are split over DP, and the schedule averages the loss over them: the full gradient.
+        share = layout.dp if layout.model == "gdn" else 1
+        record["expected"] = {name: grad / share for name, grad in expected.items()}
         record["expected_scale"] = {
-            name: float(reference_grads[name].abs().max()) / layout.dp for name in expected}
+            name: float(reference_grads[name].abs().max()) / share for name in expected}
         record["initial"] = initial
 
     wrapped, inner = zip(*[_wrap(layout, config, chunk) for chunk in chunks])

@@ -45,6 +45,7 @@ WORLDS = {
         Layout("pp2-vp2", pp=2, vp=2, model="gpt"),
         # MoE MLPs, experts over EP, not split over TP (expert_tensor_parallel_size 1)
         Layout("moe-tp2-sp-ep2", tp=2, sequence_parallel=True, ep=2, model="gpt-moe"),
+        Layout("moe-dp2-ep2", dp=2, ep=2, model="gpt-moe"),  # experts over the DP ranks
     ),
     4: (
         Layout("tp4", tp=4),
@@ -58,6 +59,9 @@ WORLDS = {
                model="gpt"),
         Layout("moe-tp4-sp-ep4-recompute", tp=4, sequence_parallel=True, ep=4, recompute=True,
                model="gpt-moe"),
+        # two replicas of each expert (expert data parallelism), sharded by the optimizer
+        Layout("moe-tp2-sp-dp2-ep2-distopt", tp=2, sequence_parallel=True, dp=2, ep=2,
+               distributed_optimizer=True, model="gpt-moe"),
         Layout("pp2-vp2-tp2-sp-recompute", pp=2, vp=2, tp=2, sequence_parallel=True,
                recompute=True, model="gpt"),
     ),
@@ -183,26 +187,29 @@ MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]
 @pytest.mark.parametrize("layout, fused", MOE_CASES,
                          ids=[case_key(layout, fused) for layout, fused in MOE_CASES])
 def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused):
-    """Each MoE layer's experts lie on the EP ranks, num_moe_experts / EP each and every expert
-    on one rank (the TP ranks of this layout are the EP ranks): the layout is expert parallel,
-    not a replicated MoE."""
+    """Each rank holds num_moe_experts / EP experts of every MoE layer, those of its EP rank, and
+    every expert lies on world / EP ranks (its expert-data-parallel replicas): the layout is
+    expert parallel, not a replicated MoE."""
     from core.testing.parallel import MOE_SIZES
 
     experts = MOE_SIZES["num_moe_experts"]
-    held = {}
+    per_rank = experts // layout.ep
+    holders = {}
     for record in _records(worlds, layout, fused):
+        ep_rank = record["coords"]["ep"]
+        held = {}
         for name in record["params"]:
             match = re.search(r"^(decoder\.layers\.\d+)\.mlp\.experts\.local_experts\.(\d+)\."
                               r"linear_fc1\.weight$", name)
             if match:
-                held.setdefault(match.group(1), []).append((record["coords"]["ep"],
-                                                            int(match.group(2))))
-    assert len(held) == 4  # every layer of the GPT model has MoE MLPs
-    for layer, placed in held.items():
-        assert sorted(index for _, index in placed) == list(range(experts)), layer
-        for ep_rank in range(layout.ep):
-            assert sorted(i for r, i in placed if r == ep_rank) == list(
-                range(ep_rank * experts // layout.ep, (ep_rank + 1) * experts // layout.ep)), layer
+                held.setdefault(match.group(1), []).append(int(match.group(2)))
+        assert len(held) == 4, held  # every layer of the GPT model has MoE MLPs
+        for layer, indices in held.items():
+            assert sorted(indices) == list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+            for index in indices:
+                holders.setdefault((layer, index), []).append(record["coords"]["rank"])
+    assert len(holders) == 4 * experts
+    assert all(len(ranks) == layout.world_size // layout.ep for ranks in holders.values())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -220,8 +220,10 @@ def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=Non
            *(model or driver.MODEL["cpu"]), *common, *driver.CPU_ONLY, "--mock-data",
            "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
            str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
+    # the repository first, then whatever the caller's PYTHONPATH holds (a megatron checkout)
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                              "PYTHONPATH": ROOT},
+                                              "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=600)
     return proc, metrics_path
 

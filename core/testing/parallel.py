@@ -8,7 +8,7 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
     softmax attention), for pipeline parallelism (with virtual stages: one model chunk per
     stage, megatron's interleaved schedule);
   * ``"gpt-moe"``: the same with MoE MLPs in every layer (:data:`MOE_SIZES`, as Qwen3-Next),
-    for expert parallelism (experts not split over TP: expert_tensor_parallel_size 1).
+    for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -85,8 +85,9 @@ def tolerance(name: str) -> float:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One parallel layout. ``world_size = tp * cp * pp * dp``; expert parallelism (``ep``,
-    model "gpt-moe") takes its ranks from TP x DP, as megatron's does with experts not split
-    over TP (each expert on tp * dp / ep ranks)."""
+    model "gpt-moe") and expert tensor parallelism (``etp``: experts split over that many ranks;
+    1: not split) take their ranks from TP x DP, as megatron's do (each expert shard on
+    tp * dp / (ep * etp) ranks)."""
 
     name: str
     tp: int = 1
@@ -101,6 +102,7 @@ class Layout:
     model: str = "gdn"                   # "gdn" (one GatedDeltaNet), "gpt" or "gpt-moe" (GPTModel)
     ep: int = 1                          # expert parallelism ("gpt-moe")
     vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT models)
+    etp: int = 1                         # expert tensor parallelism ("gpt-moe")
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -110,9 +112,10 @@ class Layout:
         if self.model != "gdn" and (self.cp > 1 or self.packed or BATCH % self.dp):
             raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP, EP and DP "
                              f"dividing their {BATCH} micro-batches")
-        if self.ep > 1 and (self.model != "gpt-moe" or (self.tp * self.dp) % self.ep):
-            raise ValueError(f"Layout {self.name}: ep > 1 needs model='gpt-moe' and ep dividing "
-                             "tp x dp")
+        if (self.ep > 1 or self.etp > 1) and (self.model != "gpt-moe"
+                                              or (self.tp * self.dp) % (self.ep * self.etp)):
+            raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
+                             "dividing tp x dp")
         if self.vp > 1 and (self.pp == 1 or self.model == "gdn" or GPT_LAYERS % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
                              f"dividing its {GPT_LAYERS} layers")
@@ -182,7 +185,7 @@ def init_layout(layout: Layout, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=layout.etp,
         virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -192,7 +195,8 @@ def coordinates() -> dict:
 
     return dict(rank=torch.distributed.get_rank(), tp=ps.get_tensor_model_parallel_rank(),
                 cp=ps.get_context_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                dp=ps.get_data_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
+                dp=ps.get_data_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
+                etp=ps.get_expert_tensor_parallel_rank())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +219,7 @@ def layout_config(layout: Layout, fused: bool):
             extra.update(virtual_pipeline_model_parallel_size=layout.vp)
     if layout.model == "gpt-moe":
         extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
-                     expert_tensor_parallel_size=1)
+                     expert_tensor_parallel_size=layout.etp)
     return gdn_config(
         params_dtype=torch.float32, fused_gated_norm=fused,
         tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
@@ -299,13 +303,37 @@ def is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def shard_coordinate(layout: Layout, coords: dict, param) -> Optional[tuple]:
+    """Which part of ``param`` this rank holds: ``("tp", rank)`` for a tensor-parallel shard,
+    ``("etp", rank)`` for an expert's shard over expert tensor parallelism, None for the whole
+    parameter. Ranks with the same coordinate hold the same values."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    if is_expert(param):
+        return ("etp", coords["etp"]) if layout.etp > 1 else None
+    return ("tp", coords["tp"]) if layout.tp > 1 else None
+
+
+def _optimizer_group(record: dict, name: str) -> str:
+    """The ranks among which the distributed optimizer shards ``name``: its data-parallel group
+    (one per TP rank), or for an expert its expert-data-parallel group (one per EP x ETP rank)."""
+    coords = record["coords"]
+    if name in record["experts"]:
+        return f"ep {coords['ep']}, etp {coords['etp']}"
+    return f"tp {coords['tp']}"
+
+
+def _shard_label(shard: Optional[tuple]) -> str:
+    return "" if shard is None else f" ({shard[0]} {shard[1]})"
+
+
 def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_size: int,
-                   offsets: Offsets = Offsets()) -> dict:
+                   offsets: Offsets = Offsets(), etp_rank: int = 0, etp_size: int = 1) -> dict:
     """This rank's shard of a one-stage, TP 1, EP 1 state (or gradient) dict ``full``, keyed by
     ``model``'s own state-dict names: the GDN modules' sections by ``shard_gdn_state_dict``
     (in_proj [q|k|v|z|beta|alpha] and conv1d [q|k|v] split per section), other
-    tensor-parallel parameters split along their ``partition_dim``, the rank's experts whole
-    (not split over TP), the rest whole."""
+    tensor-parallel parameters split along their ``partition_dim`` (the rank's experts over
+    expert tensor parallelism), the rest whole."""
     from megatron.core.ssm.gated_delta_net.common import _GDNBase
 
     from core.testing.gdn import shard_gdn_state_dict
@@ -324,9 +352,9 @@ def shard_for_rank(full: dict, model: torch.nn.Module, config, tp_rank: int, tp_
         if prefix is not None:
             out[name] = shard_gdn_state_dict({name: tensor}, config, tp_rank, tp_size,
                                              prefix=prefix)[name]
-        elif (param is not None and getattr(param, "tensor_model_parallel", False) and tp_size > 1
-              and not is_expert(param)):
-            out[name] = tensor.chunk(tp_size, dim=param.partition_dim)[tp_rank].clone()
+        elif param is not None and getattr(param, "tensor_model_parallel", False):
+            rank, size = (etp_rank, etp_size) if is_expert(param) else (tp_rank, tp_size)
+            out[name] = tensor.chunk(size, dim=param.partition_dim)[rank].clone()
         elif isinstance(tensor, torch.Tensor):
             out[name] = tensor.clone()
         else:
@@ -531,7 +559,7 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     for chunk, vp_stage in zip(chunks, vp_stages):
         offsets = _offsets(layout, config, vp_stage)
         shard = shard_for_rank(reference["weights"][layout.model], chunk, config, coords["tp"],
-                               layout.tp, offsets)
+                               layout.tp, offsets, coords["etp"], layout.etp)
         chunk.load_state_dict(shard)
         chunk.to(device)
         chunk_names = {n: global_name(n, offsets) for n, _ in chunk.named_parameters()}
@@ -539,14 +567,15 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         local_shapes.append({n: p.shape for n, p in chunk.named_parameters()})
         initial.update({chunk_names[n]: shard[n].float() for n in chunk_names})
         if reference_grads is not None:
-            grads = shard_for_rank(reference_grads, chunk, config, coords["tp"], layout.tp, offsets)
+            grads = shard_for_rank(reference_grads, chunk, config, coords["tp"], layout.tp, offsets,
+                                   coords["etp"], layout.etp)
             expected.update({chunk_names[n]: grads[n].float() for n in chunk_names})
     record = dict(
         coords=coords, fused=fused,
-        tensor_parallel={
-            chunk_names[n]: (layout.tp > 1 and bool(getattr(p, "tensor_model_parallel", False))
-                             and not is_expert(p))
-            for chunk, chunk_names in zip(chunks, names) for n, p in chunk.named_parameters()},
+        shards={chunk_names[n]: shard_coordinate(layout, coords, p)
+                for chunk, chunk_names in zip(chunks, names) for n, p in chunk.named_parameters()},
+        experts={chunk_names[n] for chunk, chunk_names in zip(chunks, names)
+                 for n, p in chunk.named_parameters() if is_expert(p)},
         fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for chunk in chunks
                        for m in chunk.modules() if hasattr(m, "out_norm")],
         recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
@@ -773,12 +802,12 @@ def grad_mismatches(records: list, tolerance_factor: float = 1.0) -> list:
             if not err <= limit:
                 failures.append(f"rank {rank} {name}: rel err {err:.2e} > {limit:.0e}")
         for name, (start, end) in record.get("owned", {}).items():
-            key = (name, record["coords"]["tp"], record["coords"]["pp"])
+            key = (name, _optimizer_group(record, name))
             numel = record["expected"][name].numel()
             coverage.setdefault(key, torch.zeros(numel, dtype=torch.int32))[start:end] += 1
-    for (name, tp, pp), owners in coverage.items():
+    for (name, group), owners in coverage.items():
         if not bool((owners == 1).all()):
-            failures.append(f"{name} (tp {tp}, pp {pp}): {int((owners == 1).sum())} of "
+            failures.append(f"{name} ({group}): {int((owners == 1).sum())} of "
                             f"{owners.numel()} elements owned by exactly one rank")
     return failures
 
@@ -814,15 +843,15 @@ def replica_mismatches(records: list) -> list:
     groups = {}
     for record in records:
         for name, value in record["params"].items():
-            shard = record["coords"]["tp"] if record["tensor_parallel"][name] else None
-            groups.setdefault((name, shard), []).append((record["coords"]["rank"], value))
+            groups.setdefault((name, record["shards"][name]), []).append(
+                (record["coords"]["rank"], value))
     for (name, shard), held in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         first_rank, first = held[0]
         for rank, value in held[1:]:
             if not torch.equal(first, value):
                 diff = float((first - value).abs().max())
-                failures.append(f"{name}{'' if shard is None else f' (tp {shard})'}: rank {rank} "
-                                f"differs from rank {first_rank} after the step (max {diff:.2e})")
+                failures.append(f"{name}{_shard_label(shard)}: rank {rank} differs from rank "
+                                f"{first_rank} after the step (max {diff:.2e})")
     for record in records:
         if not record["update_successful"]:
             failures.append(f"rank {record['coords']['rank']}: optimizer step skipped")

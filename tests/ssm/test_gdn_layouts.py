@@ -62,6 +62,9 @@ WORLDS = {
         # two replicas of each expert (expert data parallelism), sharded by the optimizer
         Layout("moe-tp2-sp-dp2-ep2-distopt", tp=2, sequence_parallel=True, dp=2, ep=2,
                distributed_optimizer=True, model="gpt-moe"),
+        # experts split over TP as well (megatron's default expert_tensor_parallel_size = TP)
+        Layout("moe-tp2-sp-dp2-ep2-etp2", tp=2, sequence_parallel=True, dp=2, ep=2, etp=2,
+               model="gpt-moe"),
         Layout("pp2-vp2-tp2-sp-recompute", pp=2, vp=2, tp=2, sequence_parallel=True,
                recompute=True, model="gpt"),
     ),
@@ -187,9 +190,10 @@ MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]
 @pytest.mark.parametrize("layout, fused", MOE_CASES,
                          ids=[case_key(layout, fused) for layout, fused in MOE_CASES])
 def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused):
-    """Each rank holds num_moe_experts / EP experts of every MoE layer, those of its EP rank, and
-    every expert lies on world / EP ranks (its expert-data-parallel replicas): the layout is
-    expert parallel, not a replicated MoE."""
+    """Each rank holds num_moe_experts / EP experts of every MoE layer, those of its EP rank
+    (split over expert tensor parallelism where ETP > 1), and every expert lies on world / EP
+    ranks (its ETP shards and expert-data-parallel replicas): the layout is expert parallel, not
+    a replicated MoE."""
     from core.testing.parallel import MOE_SIZES
 
     experts = MOE_SIZES["num_moe_experts"]
@@ -210,6 +214,11 @@ def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused)
                 holders.setdefault((layer, index), []).append(record["coords"]["rank"])
     assert len(holders) == 4 * experts
     assert all(len(ranks) == layout.world_size // layout.ep for ranks in holders.values())
+    # an expert's fc1 weight: [moe_ffn_hidden_size / ETP, hidden] on every rank
+    fc1_rows = {record["params"][name].shape[0] for record in _records(worlds, layout, fused)
+                for name in record["params"] if name.endswith(".linear_fc1.weight")
+                and ".local_experts." in name}
+    assert fc1_rows == {MOE_SIZES["moe_ffn_hidden_size"] // layout.etp}
 
 
 # ----------------------------------------------------------------------------------------------

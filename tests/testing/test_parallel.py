@@ -28,13 +28,15 @@ def test_global_name_shifts_layers_and_experts():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(ep=2, tp=2), "ep > 1 needs model='gpt-moe'"),
-    (dict(ep=4, tp=2, model="gpt-moe"), "ep dividing tp x dp"),
+    (dict(ep=2, tp=2), "ep or etp > 1 needs model='gpt-moe'"),
+    (dict(ep=4, tp=2, model="gpt-moe"), "ep x etp dividing tp x dp"),
+    (dict(ep=2, etp=2, tp=2, model="gpt-moe"), "ep x etp dividing tp x dp"),
     (dict(model="moe"), "Layout.model must be one of"),
     (dict(dp=4, model="gpt-moe"), "DP dividing their 2 micro-batches"),
     (dict(vp=2, model="gpt"), "vp > 1 needs pp > 1"),
     (dict(pp=4, vp=2, model="gpt"), "pp x vp dividing its 4 layers"),
-], ids=["ep-without-moe", "ep-not-dividing", "model", "gpt-dp", "vp-without-pp", "vp-too-many"])
+], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
+        "vp-without-pp", "vp-too-many"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)

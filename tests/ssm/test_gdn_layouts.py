@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from core.testing.cpu import init_cpu_model_parallel
-from core.testing.parallel import (DECAY_PARAMS, REFERENCE, Layout, case_key, grad_errors,
-                                   grad_mismatches, layout_config, make_reference,
-                                   partial_out_norm_grad, reference_worker, replica_mismatches,
-                                   run_case, spawn_layouts)
+from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, MOE_SIZES, REFERENCE, Layout,
+                                   case_key, grad_errors, grad_mismatches, layout_config,
+                                   make_reference, partial_out_norm_grad, reference_worker,
+                                   replica_mismatches, run_case, spawn_layouts)
 
 WORLDS = {
     2: (
@@ -181,7 +181,8 @@ def test_virtual_pipeline_stages_interleave_the_layers(worlds, layout, fused):
         layers = {int(m.group(1)) for name in record["params"]
                   if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
         pp_rank = record["coords"]["pp"]
-        assert sorted(layers) == list(range(pp_rank, 4, layout.pp)), (record["coords"], layers)
+        assert sorted(layers) == list(range(pp_rank, GPT_LAYERS, layout.pp)), (record["coords"],
+                                                                               layers)
 
 
 MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]
@@ -194,8 +195,6 @@ def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused)
     (split over expert tensor parallelism where ETP > 1), and every expert lies on world / EP
     ranks (its ETP shards and expert-data-parallel replicas): the layout is expert parallel, not
     a replicated MoE."""
-    from core.testing.parallel import MOE_SIZES
-
     experts = MOE_SIZES["num_moe_experts"]
     per_rank = experts // layout.ep
     holders = {}
@@ -207,12 +206,12 @@ def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused)
                               r"linear_fc1\.weight$", name)
             if match:
                 held.setdefault(match.group(1), []).append(int(match.group(2)))
-        assert len(held) == 4, held  # every layer of the GPT model has MoE MLPs
+        assert len(held) == GPT_LAYERS, held  # every layer of the GPT model has MoE MLPs
         for layer, indices in held.items():
             assert sorted(indices) == list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
             for index in indices:
                 holders.setdefault((layer, index), []).append(record["coords"]["rank"])
-    assert len(holders) == 4 * experts
+    assert len(holders) == GPT_LAYERS * experts
     assert all(len(ranks) == layout.world_size // layout.ep for ranks in holders.values())
     # an expert's fc1 weight: [moe_ffn_hidden_size / ETP, hidden] on every rank
     fc1_rows = {record["params"][name].shape[0] for record in _records(worlds, layout, fused)

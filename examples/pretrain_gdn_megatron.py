@@ -17,7 +17,8 @@ transformer config is ``core.training.transformer_config_from_args(args)`` and w
 megatron's GDN block spec passed through ``core.models.gdn_specs.use_fused_gdn``
 (:func:`gdn_block_spec`; ``--spec MODULE NAME``, megatron's option, passes that spec through it
 instead; a post-wrap hook runs ``assert_fused_gdn`` on the built model);
-:func:`forward_step` (megatron's TP broadcast of the batch, masked token loss) and
+:func:`forward_step` (megatron's TP broadcast of the batch to the first and last pipeline
+stage, its split over context-parallel ranks, masked token loss) and
 :func:`train_valid_test_datasets_provider` (megatron's ``BlendedMegatronDatasetBuilder`` with
 ``GPTDataset`` on ``--data-path``, or ``MockGPTDataset`` with ``--mock-data``). Logging, LR
 schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) are megatron's.
@@ -70,7 +71,11 @@ from megatron.core.datasets.gpt_dataset import (  # noqa: E402
 )
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
-from megatron.core.utils import get_batch_on_this_tp_rank  # noqa: E402
+from megatron.core.utils import (  # noqa: E402
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+)
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training import set_startup_timestamps  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
@@ -109,12 +114,8 @@ def add_launcher_args(parser):
 
 
 def check_launcher_scope(args) -> None:
-    """This launcher covers tensor, sequence and data parallelism of a GPT with GDN layers."""
-    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--context-parallel-size", args.context_parallel_size)):
-        if value != 1:
-            raise ValueError(f"{flag} {value}: examples/pretrain_gdn_megatron.py runs tensor, "
-                             "sequence and data parallelism only (use 1)")
+    """This launcher trains a GPT with GDN layers, with the TE implementation only where TE is
+    installed."""
     if args.experimental_attention_variant != "gated_delta_net":
         raise ValueError("examples/pretrain_gdn_megatron.py trains a GDN hybrid: pass "
                          "--experimental-attention-variant gated_delta_net (and "
@@ -149,7 +150,11 @@ def check_fused_gdn(model_chunks):
     assert_fused_gdn(model_chunks)
     layers = [m for chunk in model_chunks for m in chunk.modules()
               if isinstance(m, GatedDeltaNet)]
-    _GDN_LAYERS.update(count=len(layers), fused=sum(m.fused_gated_norm for m in layers))
+    counts = torch.tensor([len(layers), sum(m.fused_gated_norm for m in layers)],
+                          device=torch.cuda.current_device() if HAS_CUDA else "cpu")
+    if mpu.get_pipeline_model_parallel_world_size() > 1:  # each stage holds other layers
+        torch.distributed.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
+    _GDN_LAYERS.update(count=int(counts[0]), fused=int(counts[1]))
     return model_chunks
 
 
@@ -191,8 +196,10 @@ def gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
     )
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """megatron's GPT datasets, built on tensor-parallel rank 0 (the batch is broadcast)."""
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """megatron's GPT datasets, built on tensor-parallel rank 0 (the batch is broadcast).
+    ``vp_stage``: megatron passes it with virtual pipeline stages; every stage reads the same
+    datasets."""
     args = get_args()
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0(f"> building train, validation and test datasets ({dataset_type.__name__}) ...")
@@ -214,8 +221,15 @@ train_valid_test_datasets_provider.is_distributed = True
 _RECORDS: list[dict] = []  # one per training micro-batch
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch: read on TP rank 0 and broadcast over TP (the first pipeline stage
+    gets the tokens, the last the labels, a middle stage nothing), then megatron's
+    load-balanced split over context-parallel ranks."""
     args = get_args()
+    first = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if not (first or last):
+        return None, None, None, None, None
     batch = {}
     if mpu.get_tensor_model_parallel_rank() == 0:
         batch = {key: value.to(torch.cuda.current_device(), non_blocking=True)
@@ -228,12 +242,18 @@ def get_batch(data_iterator):
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(),
-        cp_size=1,
+        cp_size=args.context_parallel_size,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
         mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=first,
+        is_pipeline_last_stage=last,
     )
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
+                                          cp_group=mpu.get_context_parallel_group())
     return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
             batch["position_ids"])
 
@@ -245,19 +265,23 @@ def loss_func(loss_mask: torch.Tensor, record, output_tensor: torch.Tensor):
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     if record is not None:
-        # Each data-parallel rank holds its share of the batch: the iteration's loss sums them
-        # all (in float64: no rounding beyond megatron's per-rank fp32 sums).
+        # Each data- and context-parallel rank holds its share of the batch: the iteration's
+        # loss sums them all (in float64: no rounding beyond megatron's per-rank fp32 sums).
         totals = torch.stack([loss.detach().double(), num_tokens.double()])
-        torch.distributed.all_reduce(totals, group=mpu.get_data_parallel_group())
+        torch.distributed.all_reduce(totals,
+                                     group=mpu.get_data_parallel_group(with_context_parallel=True))
         record["loss_sum"], record["tokens"] = totals[0], totals[1]
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     record = None
-    if model.training and get_args().gdn_metrics_out:
+    # one record per training micro-batch, where its loss is computed (the last pipeline stage)
+    if (model.training and get_args().gdn_metrics_out
+            and mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
         record = {"iteration": get_args().curr_iteration + 1, "time": time.perf_counter()}
         _RECORDS.append(record)
     before = torch.cuda.memory_allocated() if HAS_CUDA else None

@@ -283,6 +283,59 @@ def test_launcher_trains_moe_mlps_over_expert_parallel_ranks(tmp_path):
     assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
 
 
+def _model_args(**changes):
+    """The driver's tiny CPU model with ``changes`` (``--flag``: value) applied."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    args = list(driver.MODEL["cpu"])
+    for flag, value in changes.items():
+        args[args.index(flag) + 1] = str(value)
+    return args
+
+
+def _losses(proc, metrics) -> list:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [it["loss"] for it in json.loads(metrics.read_text())["iterations"]]
+
+
+@pytest.mark.interpreter_backward
+def test_launcher_trains_across_virtual_pipeline_stages(tmp_path):
+    """PP 2 with two virtual stages of one layer each (megatron's interleaved schedule; layers
+    GDN, attention, GDN, attention): the GDN layers of both pipeline ranks are fused, and the
+    first iteration's loss, from the same initial weights, equals the flag-off run's within
+    fp32 rounding."""
+    model = _model_args(**{"--num-layers": 4, "--micro-batch-size": 1})
+    pipeline = ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                "1")
+    runs = {}
+    for fused in (True, False):
+        flag = ("--fused-gated-norm",) if fused else ()
+        proc, metrics = _launch(tmp_path, *flag, *pipeline, iterations=2, warmup=1, nproc=2,
+                                model=model, metrics=f"fused{fused}.json")
+        runs[fused] = _losses(proc, metrics)
+        summary = json.loads(metrics.read_text())
+        assert (summary["gdn_layers"], summary["gdn_layers_fused"]) == (2, 2 if fused else 0)
+    assert abs(runs[True][0] - runs[False][0]) <= fp32_loss_tolerance(runs[False][0]), runs
+
+
+@pytest.mark.interpreter_backward
+def test_launcher_splits_sequences_over_context_parallel_ranks(tmp_path):
+    """CP 2 (megatron's load-balanced split of each sequence, GDN's all-to-all) trains the same
+    iterations as one rank with the whole sequence. All layers are GDN: megatron's local
+    attention has no context parallelism (TE's has), and rope's CP split needs CUDA, so
+    positions are learned."""
+    model = _model_args(**{"--linear-attention-freq": 3})  # 2 layers: no attention layer
+    runs = {}
+    for cp in (1, 2):
+        proc, metrics = _launch(tmp_path, "--fused-gated-norm", "--context-parallel-size",
+                                str(cp), "--position-embedding-type", "learned_absolute",
+                                iterations=2, warmup=1, nproc=cp, model=model,
+                                metrics=f"cp{cp}.json")
+        runs[cp] = _losses(proc, metrics)
+        assert json.loads(metrics.read_text())["gdn_layers_fused"] == 2
+    for one, two in zip(runs[1], runs[2]):
+        assert abs(one - two) <= fp32_loss_tolerance(one), runs
+
+
 @pytest.mark.interpreter_backward
 def test_launcher_builds_the_model_from_megatrons_spec_option(tmp_path):
     """megatron's --spec (module, name) builds the model, through use_fused_gdn: our block spec

@@ -103,8 +103,8 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
             "replace_modules: spec is None, which megatron reads as its default spec (with its "
             "own GatedDeltaNet): pass the spec itself, e.g. core.models.get_gdn_hybrid_block_spec "
             "for a GPT model or megatron's hybrid_stack_spec for a hybrid one")
-    if not (isinstance(spec, (list, tuple, ModuleSpec, functools.partial)) or inspect.isclass(spec)
-            or dataclasses.is_dataclass(spec) or callable(spec)):
+    # a ModuleSpec is a dataclass; classes and functools.partial builders are callable
+    if not (isinstance(spec, (list, tuple)) or dataclasses.is_dataclass(spec) or callable(spec)):
         raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
                         f"got {type(spec).__name__} {spec!r}")
     pairs = tuple(replacements.items())

@@ -233,11 +233,10 @@ def _no_input_tensor(input_tensor) -> None:
     """``set_input_tensor`` of a single-stage module (the schedule calls it with None)."""
 
 
-def build_chunks(layout: Layout, config, seed: Optional[int] = None) -> list:
-    """This rank's model chunks: one (:func:`build_model`), or one per virtual pipeline stage."""
-    if layout.vp == 1:
-        return [build_model(layout, config, seed)]
-    return [build_model(layout, config, seed, vp_stage) for vp_stage in range(layout.vp)]
+def vp_stages(layout: Layout) -> tuple:
+    """The virtual pipeline stage of each of this rank's model chunks (None: no virtual stages,
+    one chunk)."""
+    return tuple(range(layout.vp)) if layout.vp > 1 else (None,)
 
 
 def build_model(layout: Layout, config, seed: Optional[int] = None,
@@ -550,13 +549,13 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 
     coords = coordinates()
     config = layout_config(layout, fused)
-    chunks = build_chunks(layout, config, seed=99)
-    vp_stages = range(layout.vp) if layout.vp > 1 else (None,)
+    stages = vp_stages(layout)
+    chunks = [build_model(layout, config, 99, vp_stage) for vp_stage in stages]
     # Per chunk: local parameter name -> name in the one-stage, EP 1 model, and the shapes, TP
     # attributes and expected shards of the parameters as built (Megatron-FSDP replaces the
     # parameters when it wraps the module).
     names, local_shapes, initial, expected = [], [], {}, {}
-    for chunk, vp_stage in zip(chunks, vp_stages):
+    for chunk, vp_stage in zip(chunks, stages):
         offsets = _offsets(layout, config, vp_stage)
         shard = shard_for_rank(reference["weights"][layout.model], chunk, config, coords["tp"],
                                layout.tp, offsets, coords["etp"], layout.etp)

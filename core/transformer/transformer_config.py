@@ -59,15 +59,17 @@ class TransformerConfig(_MegatronTransformerConfig):
 def check_gdn_field_types(config) -> bool:
     """The types of the two GDN fields (TypeError naming the config's class: a string or an int
     is not a bool); returns whether the config asks for the fused norm."""
-    entry = type(config).__name__
-    fused = check_bool(entry, "fused_gated_norm", getattr(config, "fused_gated_norm", False))
-    check_bool(entry, "gdn_out_norm_zero_centered_gamma",
-               getattr(config, "gdn_out_norm_zero_centered_gamma", None), FOLLOW_GLOBAL_FLAG)
+    fused = check_bool(type(config).__name__, "fused_gated_norm",
+                       getattr(config, "fused_gated_norm", False))
+    _zero_centered_override(config)
     return fused
 
 
-# What an unset gdn_out_norm_zero_centered_gamma means.
-FOLLOW_GLOBAL_FLAG = "follow layernorm_zero_centered_gamma"
+def _zero_centered_override(config) -> Optional[bool]:
+    """``gdn_out_norm_zero_centered_gamma`` checked (None: follow the global flag)."""
+    return check_bool(type(config).__name__, "gdn_out_norm_zero_centered_gamma",
+                      getattr(config, "gdn_out_norm_zero_centered_gamma", None),
+                      "follow layernorm_zero_centered_gamma")
 
 
 def validate_gdn_config(config) -> None:
@@ -93,10 +95,8 @@ def gdn_out_norm_zero_centered(config) -> bool:
     ``gdn_out_norm_zero_centered_gamma`` when set, else ``layernorm_zero_centered_gamma``.
     Accepts a plain megatron TransformerConfig too (no override field: the global flag).
     TypeError when the flag it reads is not a bool (a string 'false' would read as True)."""
-    entry = type(config).__name__
-    value = check_bool(entry, "gdn_out_norm_zero_centered_gamma",
-                       getattr(config, "gdn_out_norm_zero_centered_gamma", None), FOLLOW_GLOBAL_FLAG)
+    value = _zero_centered_override(config)
     if value is None:
-        return check_bool(entry, "layernorm_zero_centered_gamma",
+        return check_bool(type(config).__name__, "layernorm_zero_centered_gamma",
                           config.layernorm_zero_centered_gamma)
     return value

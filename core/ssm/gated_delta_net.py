@@ -17,14 +17,15 @@ The gate is read in place as a strided slice of the in_proj output, skipping meg
 
 Both paths (flag on and off) also get:
   * ``config.gdn_out_norm_zero_centered_gamma`` honoured by the output norm;
-  * the tensor-parallel gradient of the output-norm weight made whole (docs/integration.md,
-    section 5): each TP rank's dW covers only its heads. Where megatron's stock
-    ``finalize_model_grads`` would leave that partial unreduced (sequence parallelism off), the
-    backward multiplies the weight's gradient by ``tp_size`` inside the autograd graph and the
-    weight is tagged ``average_gradients_across_tp_domain``: finalize's AVG over TP then gives
-    the SUM of the partials; a weight that arrives tagged gets the same factor. Where megatron
-    already sums it (sequence parallelism on: SUM of ``sequence_parallel`` params), nothing is
-    added. See :func:`megatron_tp_grad_reduction`;
+  * the tensor-parallel gradients of the output norm's parameters (its weight, and the bias of
+    a LayerNorm on the unfused path) made whole (docs/integration.md, section 5): each TP
+    rank's gradient covers only its heads. Where megatron's stock ``finalize_model_grads`` would
+    leave that partial unreduced (sequence parallelism off), the backward multiplies the
+    parameter's gradient by ``tp_size`` inside the autograd graph and the parameter is tagged
+    ``average_gradients_across_tp_domain``: finalize's AVG over TP then gives the SUM of the
+    partials; a parameter that arrives tagged gets the same factor. Where megatron already sums
+    it (sequence parallelism on: SUM of ``sequence_parallel`` params), nothing is added. See
+    :func:`megatron_tp_grad_reduction`;
   * ``gdn_norm_out`` selective recompute without Transformer Engine (see
     :attr:`GatedDeltaNet.norm_out_checkpoint`);
   * out_norm's hooks run as a call of out_norm would run them, each once per forward, its
@@ -79,23 +80,24 @@ def scale_grad(tensor: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def weight_read_as(module: torch.nn.Module, tensor: torch.Tensor) -> Iterator[None]:
-    """While the block runs, ``module``'s ``weight`` parameter slot holds ``tensor`` (a function
-    of the weight, such as :func:`scale_grad`'s output); the parameter is put back afterwards.
+def parameters_read_as(module: torch.nn.Module, tensors: dict) -> Iterator[None]:
+    """While the block runs, each of ``module``'s parameter slots named in ``tensors`` holds the
+    tensor given for it (a function of the parameter, such as :func:`scale_grad`'s output); the
+    parameters are put back afterwards.
 
-    The slot itself is swapped (``module._parameters["weight"]``, as torch.func.functional_call
-    does), so every way a norm reads its weight sees ``tensor``: attribute access
-    (``self.weight``: our RMSNorm, torch's norms, Transformer Engine 1.x) and
+    The slots themselves are swapped (``module._parameters[name]``, as
+    torch.func.functional_call does), so every way a norm reads its parameters sees the tensors:
+    attribute access (``self.weight``: our RMSNorm, torch's norms, Transformer Engine 1.x) and
     ``module.parameters()`` (Transformer Engine 2.x's op fuser passes the op's parameters to its
     autograd Function as inputs and returns their gradients through it). The gradient reaching
-    ``tensor`` flows on to the parameter through whatever produced ``tensor``."""
+    a tensor flows on to its parameter through whatever produced the tensor."""
     slots = module._parameters
-    param = slots["weight"]
-    slots["weight"] = tensor
+    params = {name: slots[name] for name in tensors}
+    slots.update(tensors)
     try:
         yield
     finally:
-        slots["weight"] = param
+        slots.update(params)
 
 
 _module_hooks = torch.nn.modules.module
@@ -314,8 +316,9 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
     gate to the fused kernel. Constructor arguments are megatron's.
 
-    ``out_norm_weight_grad_scale``: the factor the backward applies to the out_norm weight's
-    gradient (``tp_size`` where this class completes the TP reduction, else 1.0)."""
+    ``out_norm_grad_scales``: per parameter of out_norm (``"weight"``, and ``"bias"`` where the
+    norm has one), the factor the backward applies to its gradient: ``tp_size`` where this class
+    completes the TP reduction, else 1.0. ``out_norm_weight_grad_scale`` is the weight's."""
 
     def __init__(self, config, submodules, *args, **kwargs):
         validate_gdn_config(config)  # configs of other classes may carry the fields as attributes
@@ -341,7 +344,13 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             )
         # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
         self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
-        self.out_norm_weight_grad_scale = self._complete_out_norm_tp_reduction()
+        self.out_norm_grad_scales = self._complete_out_norm_tp_reduction()
+
+    @property
+    def out_norm_weight_grad_scale(self) -> float:
+        """The factor the backward applies to the out_norm weight's gradient (the kernel's
+        ``weight_grad_scale`` on the fused path)."""
+        return self.out_norm_grad_scales.get("weight", 1.0)
 
     @property
     def gate_activation(self) -> Optional[str]:
@@ -371,53 +380,67 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             checkpoint.fp8 = False
         self.__dict__["_norm_out_checkpoint"] = checkpoint
 
-    def _complete_out_norm_tp_reduction(self) -> float:
-        """Each TP rank's out_norm dW is a partial sum over its heads. When megatron's
-        finalize_model_grads leaves it unreduced, tag the weight for finalize's AVG over TP and
-        return ``tp_size``, the factor the backward applies, so that AVG = SUM of the partials.
-        1.0 (nothing done) at TP 1 and where megatron reduces it itself."""
-        weight = getattr(self.out_norm, "weight", None)
-        if self.tp_size == 1 or not isinstance(weight, torch.nn.Parameter):
-            return 1.0
-        reduction = megatron_tp_grad_reduction(weight, self.config, self.pg_collection.tp)
-        if reduction == "sum":  # megatron adds the partials itself (sequence parallelism on)
-            return 1.0
-        if reduction is None:
-            setattr(weight, TP_AVG_TAG, True)
-        elif reduction != "avg":  # "avg": the weight came tagged; AVG of scaled partials = SUM
-            raise RuntimeError(
-                f"GatedDeltaNet: megatron's finalize_model_grads reduces out_norm.weight's "
-                f"tensor-parallel gradient with {reduction!r}; only a SUM, an AVG or no "
-                "reduction can be completed to the sum of the per-rank partials"
-            )
-        return float(self.tp_size)
+    def _complete_out_norm_tp_reduction(self) -> dict:
+        """Each TP rank's gradient of an out_norm parameter (weight; bias, for a LayerNorm) is a
+        partial sum over its heads. Per parameter: when megatron's finalize_model_grads leaves
+        it unreduced, tag it for finalize's AVG over TP; its factor is then ``tp_size``, applied
+        by the backward, so that AVG = SUM of the partials. 1.0 (nothing done) at TP 1 and where
+        megatron reduces it itself. Returns ``{name: factor}`` for out_norm's own parameters."""
+        params = dict(self.out_norm.named_parameters(recurse=False))
+        if self.tp_size == 1:
+            return {name: 1.0 for name in params}
+        scales = {}
+        for name, param in params.items():
+            reduction = megatron_tp_grad_reduction(param, self.config, self.pg_collection.tp,
+                                                   f"out_norm.{name}")
+            if reduction == "sum":  # megatron adds the partials itself (sequence parallelism on)
+                scales[name] = 1.0
+                continue
+            if reduction is None:
+                setattr(param, TP_AVG_TAG, True)
+            elif reduction != "avg":  # "avg": it came tagged; AVG of scaled partials = SUM
+                raise RuntimeError(
+                    f"GatedDeltaNet: megatron's finalize_model_grads reduces out_norm.{name}'s "
+                    f"tensor-parallel gradient with {reduction!r}; only a SUM, an AVG or no "
+                    "reduction can be completed to the sum of the per-rank partials"
+                )
+            scales[name] = float(self.tp_size)
+        return scales
 
     def _check_out_norm_tp_tag(self) -> None:
-        if self.out_norm_weight_grad_scale == 1.0:
+        for name, scale in self.out_norm_grad_scales.items():
+            if scale != 1.0:
+                self._check_tp_tag(name)
+
+    def _check_tp_tag(self, name: str) -> None:
+        """out_norm's parameter ``name``, whose partial gradient the backward scales, still
+        carries the TP tag where finalize_model_grads reads it (RuntimeError otherwise)."""
+        param = self.out_norm._parameters.get(name)  # none: the norm's own checks refuse it
+        if not isinstance(param, torch.nn.Parameter):
             return
-        weight = getattr(self.out_norm, "weight", None)  # none: the norm's own checks refuse it
-        if not isinstance(weight, torch.nn.Parameter):
+        fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
+        if getattr(param, "_megatron_fsdp_model", None) is not None and not fsdp_copy_tagged(
+                param, TP_AVG_TAG, fsdp_indices.get(name)):
+            fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
+        if getattr(param, TP_AVG_TAG, False):
             return
-        if getattr(weight, "_megatron_fsdp_model", None) is not None and not fsdp_copy_tagged(
-                weight, TP_AVG_TAG, self.__dict__.get("_fsdp_tag_index")):
-            self.__dict__["_fsdp_tag_index"] = carry_tag_to_megatron_fsdp_param(weight, TP_AVG_TAG)
-        if not getattr(weight, TP_AVG_TAG, False):
-            # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
-            # record is searched once (FSDP2 keeps both from step to step); the sharded
-            # parameter is read on every forward, as it may be replaced (load_state_dict).
-            known = self.__dict__.get("_fsdp2_param")
-            fsdp_param = known() if known is not None else None
-            if fsdp_param is None or getattr(fsdp_param, "_unsharded_param", None) is not weight:
-                fsdp_param = torch_fsdp2_param(self.out_norm, "weight")
-                self.__dict__["_fsdp2_param"] = None if fsdp_param is None else weakref.ref(fsdp_param)
-            if fsdp_param is not None and getattr(fsdp_param.sharded_param, TP_AVG_TAG, False):
-                return
-            raise RuntimeError(
-                f"GatedDeltaNet: out_norm.weight lost its {TP_AVG_TAG} tag (the parameter was "
-                "replaced after construction), so finalize_model_grads would leave its "
-                "tensor-parallel gradient partial. Set "
-                f"module.out_norm.weight.{TP_AVG_TAG} = True on the new parameter."
-            )
+        # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
+        # record is searched once (FSDP2 keeps both from step to step); the sharded parameter
+        # is read on every forward, as it may be replaced (load_state_dict).
+        fsdp2_params = self.__dict__.setdefault("_fsdp2_param", {})
+        known = fsdp2_params.get(name)
+        fsdp_param = known() if known is not None else None
+        if fsdp_param is None or getattr(fsdp_param, "_unsharded_param", None) is not param:
+            fsdp_param = torch_fsdp2_param(self.out_norm, name)
+            fsdp2_params[name] = None if fsdp_param is None else weakref.ref(fsdp_param)
+        if fsdp_param is not None and getattr(fsdp_param.sharded_param, TP_AVG_TAG, False):
+            return
+        raise RuntimeError(
+            f"GatedDeltaNet: out_norm.{name} lost its {TP_AVG_TAG} tag (the parameter was "
+            "replaced after construction), so finalize_model_grads would leave its "
+            f"tensor-parallel gradient partial. Set module.out_norm.{name}.{TP_AVG_TAG} = True "
+            "on the new parameter."
+        )
 
     def _reads_gate_in_place(self) -> bool:
         """The gate is a slice of the in_proj output. Read in place, it saves megatron's copy;
@@ -441,11 +464,13 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
 
     def _apply_gated_norm(self, x, gate):
         self._check_out_norm_tp_tag()
-        scale = self.out_norm_weight_grad_scale
         if not self.fused_gated_norm:
-            if scale == 1.0:
+            scales = {name: scale for name, scale in self.out_norm_grad_scales.items()
+                      if scale != 1.0}
+            if not scales:
                 return super()._apply_gated_norm(x, gate)
-            return self._apply_unfused_gated_norm_scaled(x, gate, scale)
+            return self._apply_unfused_gated_norm_scaled(x, gate, scales)
+        scale = self.out_norm_weight_grad_scale
         activation = validate_gated_norm(self, x, gate)  # and fused_gated_norm's input checks
         norm = self.out_norm
         if _has_backward_hooks(norm):
@@ -504,12 +529,12 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             )
         return result
 
-    def _apply_unfused_gated_norm_scaled(self, x, gate, scale):
-        """megatron's norm + gate, its norm reading the weight through ``scale_grad``. out_norm's
-        own forward pre-hooks run first, with the parameter in place (megatron's DDP waits there
-        for the weight's all-gather, and acts on Parameters only); inside megatron's call of
-        out_norm, where the slot holds the scaled tensor, they are set aside so that none runs
-        twice. A hook's replacement input is what megatron's call gets, as in ``out_norm(x)``.
+    def _apply_unfused_gated_norm_scaled(self, x, gate, scales: dict):
+        """megatron's norm + gate, its norm reading each parameter named in ``scales`` through
+        ``scale_grad`` with that factor. out_norm's own forward pre-hooks run first, with the
+        parameters in place (megatron's DDP waits there for their all-gather, and acts on
+        Parameters only); inside megatron's call of out_norm, where the slots hold the scaled
+        tensors, they are set aside so that none runs twice. A hook's replacement input is what megatron's call gets, as in ``out_norm(x)``.
         Global hooks and forward hooks run inside megatron's call as usual, so here the global
         pre-hooks run after out_norm's own, where a module call runs them first."""
         norm = self.out_norm
@@ -520,7 +545,9 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             x = x_rows.reshape(x.shape)  # megatron's _apply_gated_norm reshapes it back
             _set_aside_pre_hooks(self, norm)
         try:
-            with weight_read_as(norm, scale_grad(norm.weight, scale)):
+            scaled = {name: scale_grad(param, scale) for name, scale in scales.items()
+                      if (param := norm._parameters.get(name)) is not None}
+            with parameters_read_as(norm, scaled):
                 return super()._apply_gated_norm(x, gate)
         finally:
             if own_hooks:

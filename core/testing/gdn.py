@@ -224,12 +224,14 @@ def layer_inputs(seq: int, batch: int, hidden: int, dtype: torch.dtype = torch.b
 
 
 def set_out_norm_grad_scale(module: torch.nn.Module, scale: float) -> None:
-    """As on a TP rank: scale 1 (TP 1, or megatron reduces the out_norm dW) or the TP size (a
-    partial dW that megatron leaves unreduced), with the parameter tag that goes with it."""
+    """As on a TP rank: scale 1 (TP 1, or megatron reduces the out_norm gradients) or the TP
+    size (partial gradients that megatron leaves unreduced), for every out_norm parameter, with
+    the parameter tag that goes with it."""
     from core.ssm.gated_delta_net import TP_AVG_TAG
 
-    module.out_norm_weight_grad_scale = scale
-    setattr(module.out_norm.weight, TP_AVG_TAG, scale != 1.0)
+    module.out_norm_grad_scales = {name: scale for name in module.out_norm._parameters}
+    for param in module.out_norm._parameters.values():
+        setattr(param, TP_AVG_TAG, scale != 1.0)
 
 
 def shard_gdn_state_dict(full: dict, config, tp_rank: int, tp_size: int, prefix: str = "") -> dict:

@@ -4,6 +4,8 @@ library).
 
 Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"gdn"``: one ``core.ssm.GatedDeltaNet`` from ``core.models.get_gdn_module_spec(False)``;
+  * ``"gdn-layernorm"``: the same with ``normalization="LayerNorm"``, whose output norm has a
+    bias (flag off only: the flag requires an RMSNorm);
   * ``"gpt"``: a ``GPTModel`` over ``get_gdn_hybrid_block_spec`` (4 layers: GDN, GDN, GDN,
     softmax attention), for pipeline parallelism (with virtual stages: one model chunk per
     stage, megatron's interleaved schedule);
@@ -99,7 +101,8 @@ class Layout:
     distributed_optimizer: bool = False
     fsdp: bool = False                   # Megatron-FSDP (CUDA only)
     recompute: bool = False              # selective recompute of 'gdn_norm_out'
-    model: str = "gdn"                   # "gdn" (one GatedDeltaNet), "gpt" or "gpt-moe" (GPTModel)
+    model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm") or a GPTModel
+                                         # ("gpt", "gpt-moe")
     ep: int = 1                          # expert parallelism ("gpt-moe")
     vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT models)
     etp: int = 1                         # expert tensor parallelism ("gpt-moe")
@@ -107,16 +110,16 @@ class Layout:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
-        if self.pp > 1 and self.model == "gdn":
+        if self.pp > 1 and self.single_gdn:
             raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a GPTModel)")
-        if self.model != "gdn" and (self.cp > 1 or self.packed or BATCH % self.dp):
+        if not self.single_gdn and (self.cp > 1 or self.packed or BATCH % self.dp):
             raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP, EP and DP "
                              f"dividing their {BATCH} micro-batches")
         if (self.ep > 1 or self.etp > 1) and (self.model != "gpt-moe"
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
                              "dividing tp x dp")
-        if self.vp > 1 and (self.pp == 1 or self.model == "gdn" or GPT_LAYERS % (self.pp * self.vp)):
+        if self.vp > 1 and (self.pp == 1 or self.single_gdn or GPT_LAYERS % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
                              f"dividing its {GPT_LAYERS} layers")
         if self.packed and self.dp > 1:
@@ -129,13 +132,25 @@ class Layout:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def single_gdn(self) -> bool:
+        """The model is one GatedDeltaNet module (not a GPTModel)."""
+        return self.model in ("gdn", "gdn-layernorm")
+
+    @property
+    def flag_values(self) -> tuple:
+        """The values of ``fused_gated_norm`` the layout runs (the flag refuses a LayerNorm)."""
+        return (False,) if self.model == "gdn-layernorm" else (True, False)
+
+    @property
     def data(self) -> str:
         """Which reference batch the layout runs: 'sbhd', 'thd' or 'tokens'."""
-        return "tokens" if self.model != "gdn" else ("thd" if self.packed else "sbhd")
+        return "tokens" if not self.single_gdn else ("thd" if self.packed else "sbhd")
 
 
-MODELS = ("gdn", "gpt", "gpt-moe")
-REFERENCE = {"gdn": Layout("reference"), "gpt": Layout("reference-gpt", model="gpt"),
+MODELS = ("gdn", "gdn-layernorm", "gpt", "gpt-moe")
+REFERENCE = {"gdn": Layout("reference"),
+             "gdn-layernorm": Layout("reference-layernorm", model="gdn-layernorm"),
+             "gpt": Layout("reference-gpt", model="gpt"),
              "gpt-moe": Layout("reference-gpt-moe", model="gpt-moe")}
 
 
@@ -211,7 +226,9 @@ def layout_config(layout: Layout, fused: bool):
     extra = {}
     if layout.recompute:
         extra.update(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
-    if layout.model != "gdn":
+    if layout.model == "gdn-layernorm":
+        extra.update(normalization="LayerNorm")
+    if not layout.single_gdn:
         extra.update(num_layers=GPT_LAYERS, linear_attention_freq=4)
         if layout.pp > 1:
             extra.update(pipeline_dtype=torch.float32)
@@ -250,7 +267,7 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
     from core.models.gdn_specs import get_gdn_hybrid_block_spec
     from core.testing.gdn import _reseed, build_gdn_module
 
-    if layout.model == "gdn":
+    if layout.single_gdn:
         module = build_gdn_module(config, seed=seed)
         # What megatron's schedules ask of a model chunk (a GPTModel has both).
         module.model_type = ModelType.encoder_or_decoder
@@ -286,7 +303,7 @@ def global_name(name: str, offsets: Offsets) -> str:
 
 
 def _offsets(layout: Layout, config, vp_stage: Optional[int] = None) -> Offsets:
-    if layout.model == "gdn":
+    if layout.single_gdn:
         return Offsets()
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -406,7 +423,7 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     batch = data[layout.data]
-    if layout.model != "gdn":  # one sample per micro-batch, the micro-batches split over DP
+    if not layout.single_gdn:  # one sample per micro-batch, the micro-batches split over DP
         positions = torch.arange(SEQ).unsqueeze(0)
         return [dict(tokens=batch["tokens"][b:b + 1].to(device),
                      labels=batch["labels"][b:b + 1].to(device), position_ids=positions.to(device))
@@ -579,12 +596,17 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                        for m in chunk.modules() if hasattr(m, "out_norm")],
         recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
                            if hasattr(m, "recompute_norm_out")],
+        # the parameters finalize_model_grads AVG-reduces over TP (the GDN output norms' where
+        # megatron leaves their partial gradients)
+        tp_avg_tagged={chunk_names[n] for chunk, chunk_names in zip(chunks, names)
+                       for n, p in chunk.named_parameters()
+                       if getattr(p, "average_gradients_across_tp_domain", False)},
     )
     if reference_grads is not None:
         # DDP averages over DP x CP and the schedule multiplies the loss by CP: the GDN module's
         # one micro-batch split over DP gives the full gradient / DP. The GPT models' micro-batches
         # are split over DP, and the schedule averages the loss over them: the full gradient.
-        share = layout.dp if layout.model == "gdn" else 1
+        share = layout.dp if layout.single_gdn else 1
         record["expected"] = {name: grad / share for name, grad in expected.items()}
         record["expected_scale"] = {
             name: float(reference_grads[name].abs().max()) / share for name in expected}
@@ -601,11 +623,11 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     for chunk in wrapped:
         chunk.zero_grad_buffer()
     get_forward_backward_func()(
-        forward_step_func=_gdn_forward_step if layout.model == "gdn" else _gpt_forward_step,
+        forward_step_func=_gdn_forward_step if layout.single_gdn else _gpt_forward_step,
         # the interleaved schedule reads each chunk's micro-batches from its own iterator
         data_iterator=[iter(batches) for _ in chunks] if layout.vp > 1 else iter(batches),
         model=list(wrapped), num_microbatches=len(batches), seq_length=SEQ,
-        micro_batch_size=BATCH // layout.dp if layout.model == "gdn" else 1, forward_only=False)
+        micro_batch_size=BATCH // layout.dp if layout.single_gdn else 1, forward_only=False)
 
     def each_parameter():  # (global name, parameter, local shape) of every chunk
         for module, chunk_names, shapes in zip(inner, names, local_shapes):
@@ -630,14 +652,15 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 
 
 REFERENCE_CASES = tuple((model, data, fused) for model, datas in (("gdn", ("sbhd", "thd")),
+                                                                   ("gdn-layernorm", ("sbhd",)),
                                                                    ("gpt", ("tokens",)),
                                                                    ("gpt-moe", ("tokens",)))
-                        for data in datas for fused in (True, False))
+                        for data in datas for fused in REFERENCE[model].flag_values)
 
 
 def make_reference(path: str, device=None, cases=REFERENCE_CASES) -> dict:
     """The TP 1 / CP 1 / one-stage reference (parallel_state initialised at world size 1):
-    weights of both models, the batches, and for each (model, data, fused) of ``cases`` the
+    weights of every model, the batches, and for each (model, data, fused) of ``cases`` the
     gradients of :func:`run_case`; saved to ``path`` and returned."""
     from core.testing.gdn import randomize_norm_weights
 
@@ -666,7 +689,7 @@ def run_layouts(layouts, reference_path: str, device, fused_values=(True, False)
     results = {}
     for layout in layouts:
         init_layout(layout)
-        for fused in fused_values:
+        for fused in (f for f in fused_values if f in layout.flag_values):
             key = case_key(layout, fused)
             try:
                 grads = reference["grads"][reference_key(layout.model, layout.data, fused)]

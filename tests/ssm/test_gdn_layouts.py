@@ -46,6 +46,8 @@ WORLDS = {
         # MoE MLPs, experts over EP, not split over TP (expert_tensor_parallel_size 1)
         Layout("moe-tp2-sp-ep2", tp=2, sequence_parallel=True, ep=2, model="gpt-moe"),
         Layout("moe-dp2-ep2", dp=2, ep=2, model="gpt-moe"),  # experts over the DP ranks
+        # a LayerNorm output norm (flag off): its bias gradient is a per-rank partial too
+        Layout("layernorm-tp2", tp=2, model="gdn-layernorm"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -67,6 +69,8 @@ WORLDS = {
                model="gpt-moe"),
         Layout("pp2-vp2-tp2-sp-recompute", pp=2, vp=2, tp=2, sequence_parallel=True,
                recompute=True, model="gpt"),
+        Layout("layernorm-tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True,
+               model="gdn-layernorm"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -87,7 +91,7 @@ def _spawned_processes_on_the_cpu():
 
 
 CASES = [(layout, fused) for world in WORLDS.values() for layout in world
-         for fused in (True, False)]
+         for fused in layout.flag_values]
 CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
 
 
@@ -167,6 +171,20 @@ def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused)
     assert holders
     assert sum(len(ranks) for ranks in holders.values()) >= layout.world_size
     assert all(len(ranks) == layout.world_size // layout.pp for ranks in holders.values())
+
+
+LAYERNORM_CASES = [(layout, fused) for layout, fused in CASES if layout.model == "gdn-layernorm"]
+
+
+@pytest.mark.parametrize("layout, fused", LAYERNORM_CASES,
+                         ids=[case_key(layout, fused) for layout, fused in LAYERNORM_CASES])
+def test_layernorm_bias_is_compared_and_tagged(worlds, layout, fused):
+    """The LayerNorm layouts check the output norm's bias as well (each TP rank's bias gradient
+    is a partial sum over its heads, as the weight's): both are compared on every rank, and
+    both carry the tag that has finalize_model_grads reduce them over TP."""
+    for record in _records(worlds, layout, fused):
+        assert {"out_norm.weight", "out_norm.bias"} <= set(record["grads"])
+        assert record["tp_avg_tagged"] >= {"out_norm.weight", "out_norm.bias"}
 
 
 VIRTUAL_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES if layout.vp > 1]

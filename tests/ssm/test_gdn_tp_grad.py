@@ -1,6 +1,6 @@
-"""The tensor-parallel handling of the GDN out_norm weight gradient, in one process: the scaling
-lives in the autograd graph (scale_grad, weight_read_as, the kernel's weight_grad_scale), the
-parameter carries no hook and no Python object, megatron's own reduction rule is read by a dry
+"""The tensor-parallel handling of the GDN out_norm gradients, in one process: the scaling lives
+in the autograd graph (scale_grad, parameters_read_as, the kernel's weight_grad_scale), the
+parameters carry no hook and no Python object, megatron's own reduction rule is read by a dry
 run, and a replaced weight without its tag is refused. The multi-rank checks (gloo, TP 2 and 4)
 are in test_gdn_tensor_parallel.py."""
 
@@ -13,8 +13,8 @@ import torch
 from core.ssm.gated_delta_net import (
     TP_AVG_TAG,
     megatron_tp_grad_reduction,
+    parameters_read_as,
     scale_grad,
-    weight_read_as,
 )
 from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weights,
                               set_out_norm_grad_scale)
@@ -69,26 +69,39 @@ def _rms_norm(dim):
     return norm
 
 
-@pytest.mark.parametrize("make_norm", [_rms_norm, _FuserStyleNorm], ids=["attribute", "parameters"])
-def test_weight_read_as_scales_the_weight_gradient_once(make_norm):
+def _layer_norm(dim):
+    norm = torch.nn.LayerNorm(dim)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+        norm.bias.copy_(torch.randn(dim))
+    return norm
+
+
+@pytest.mark.parametrize("make_norm", [_rms_norm, _FuserStyleNorm, _layer_norm],
+                         ids=["attribute", "parameters", "weight-and-bias"])
+def test_parameters_read_as_scales_each_gradient_once(make_norm):
     norm = make_norm(16)
-    weight = norm.weight
+    params = dict(norm.named_parameters())
     x = torch.randn(6, 16, requires_grad=True)
     dy = torch.randn(6, 16)
     y_ref = norm(x)
     y_ref.backward(dy)
-    dw_ref, dx_ref = weight.grad.clone(), x.grad.clone()
-    weight.grad, x.grad = None, None
-    with weight_read_as(norm, scale_grad(weight, 2.0)):
+    ref = {name: p.grad.clone() for name, p in params.items()}
+    dx_ref = x.grad.clone()
+    norm.zero_grad(set_to_none=True)
+    x.grad = None
+    scales = {name: 2.0 ** (i + 1) for i, name in enumerate(params)}  # weight 2, bias 4
+    with parameters_read_as(norm, {n: scale_grad(p, scales[n]) for n, p in params.items()}):
         y = norm(x)
-    assert norm._parameters["weight"] is weight  # the parameter is back
+    assert dict(norm.named_parameters()) == params  # the parameters are back
     y.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
-    assert torch.equal(weight.grad, 2.0 * dw_ref)
-    assert [p is weight for p in norm.parameters()] == [True]
-    with pytest.raises(RuntimeError, match="inside"), weight_read_as(norm, scale_grad(weight, 2.0)):
+    for name, param in params.items():
+        assert torch.equal(param.grad, scales[name] * ref[name]), name
+    with pytest.raises(RuntimeError, match="inside"), parameters_read_as(
+            norm, {n: scale_grad(p, 2.0) for n, p in params.items()}):
         raise RuntimeError("inside")
-    assert norm._parameters["weight"] is weight
+    assert all(norm._parameters[name] is param for name, param in params.items())
 
 
 def _norm_grads(module, scale, dtype=torch.bfloat16):
@@ -106,7 +119,7 @@ def _norm_grads(module, scale, dtype=torch.bfloat16):
 def test_module_scales_only_the_weight_gradient(fused):
     """The scale (tp_size at a rank whose partial dW megatron leaves unreduced) multiplies dW
     and nothing else: output, dx and dgate keep their bits; dW is exactly scale x (a power of
-    two), in the unfused path through weight_read_as, in the fused one inside the kernel."""
+    two), in the unfused path through parameters_read_as, in the fused one inside the kernel."""
     module = build_gdn_module(gdn_config(fused_gated_norm=fused))
     randomize_norm_weights(module)
     out1, dx1, dg1, dw1 = _norm_grads(module, 1.0)
@@ -115,6 +128,32 @@ def test_module_scales_only_the_weight_gradient(fused):
     assert torch.equal(dw4, 4.0 * dw1) and dw1.abs().max() > 0
     assert module.out_norm._parameters["weight"] is module.out_norm.weight
     assert not module.out_norm.weight._backward_hooks
+
+
+def test_module_scales_a_layernorm_bias_gradient_too():
+    """Flag off with a LayerNorm output norm: its bias gradient is a per-rank partial sum as the
+    weight's is, and is scaled the same way; the output and the input gradients keep their
+    bits."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=False, normalization="LayerNorm"))
+    norm = module.out_norm
+    assert set(dict(norm.named_parameters())) == {"weight", "bias"}
+    with torch.no_grad():
+        norm.bias.copy_(torch.randn(norm.bias.shape))
+    grads = {}
+    for scale in (1.0, 4.0):
+        set_out_norm_grad_scale(module, scale)
+        assert module.out_norm_grad_scales == {"weight": scale, "bias": scale}
+        x, gate, _, dy, _ = make_grad_inputs((2, 3, 4, 16), dtype=torch.float32, seed=5,
+                                             device="cpu")
+        out = module._apply_gated_norm(x, gate)
+        out.backward(dy.reshape(out.shape))
+        grads[scale] = (out.detach(), x.grad, gate.grad, norm.weight.grad, norm.bias.grad)
+        norm.zero_grad(set_to_none=True)
+    (out1, dx1, dg1, dw1, db1), (out4, dx4, dg4, dw4, db4) = grads[1.0], grads[4.0]
+    assert torch.equal(out4, out1) and torch.equal(dx4, dx1) and torch.equal(dg4, dg1)
+    assert torch.equal(dw4, 4.0 * dw1) and torch.equal(db4, 4.0 * db1)
+    assert db1.abs().max() > 0
+    assert norm._parameters["bias"] is norm.bias and not norm.bias._backward_hooks
 
 
 def test_unfused_scaling_under_megatrons_torch_compile(monkeypatch):
@@ -157,6 +196,14 @@ class _TPGroupOfTwo:
         return 2
 
 
+def _norm_of(params: dict) -> torch.nn.Module:
+    """A module holding ``params`` (name -> Parameter) as its own parameters."""
+    norm = torch.nn.Module()
+    for name, param in params.items():
+        norm.register_parameter(name, param)
+    return norm
+
+
 def _weight(**tags):
     weight = torch.nn.Parameter(torch.ones(4))
     for name, value in tags.items():
@@ -186,24 +233,27 @@ def test_megatron_tp_grad_reduction_reads_megatrons_rule():
     ({"sequence_parallel": True}, True, 1.0),  # megatron sums the partials itself
     ({"sequence_parallel": False, TP_AVG_TAG: True}, False, 2.0),  # arrives tagged: AVG
 ], ids=["unreduced", "summed", "averaged"])
-def test_module_completes_each_reduction_to_the_sum(tags, sequence_parallel, scale):
-    """The weight-gradient scale a TP 2 rank applies, for each way megatron's finalize may treat
-    the out_norm weight: the reduced gradient is the SUM of the per-rank partials every time."""
+@pytest.mark.parametrize("names", [("weight",), ("weight", "bias")], ids=["rmsnorm", "layernorm"])
+def test_module_completes_each_reduction_to_the_sum(tags, sequence_parallel, scale, names):
+    """The gradient scale a TP 2 rank applies to each out_norm parameter (an RMSNorm's weight; a
+    LayerNorm's weight and bias), for each way megatron's finalize may treat it: the reduced
+    gradient is the SUM of the per-rank partials every time."""
     from core.ssm.gated_delta_net import GatedDeltaNet
 
-    weight = _weight(**tags)
+    norm = _norm_of({name: _weight(**tags) for name in names})
     config = gdn_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
-    rank = SimpleNamespace(out_norm=SimpleNamespace(weight=weight), tp_size=2, config=config,
+    rank = SimpleNamespace(out_norm=norm, tp_size=2, config=config,
                            pg_collection=SimpleNamespace(tp=_TPGroupOfTwo()))
-    assert GatedDeltaNet._complete_out_norm_tp_reduction(rank) == scale
-    assert getattr(weight, TP_AVG_TAG, False) is (scale != 1.0)
+    assert GatedDeltaNet._complete_out_norm_tp_reduction(rank) == {name: scale for name in names}
+    for param in norm.parameters():
+        assert getattr(param, TP_AVG_TAG, False) is (scale != 1.0)
 
 
 def test_module_refuses_a_reduction_it_cannot_complete(monkeypatch):
     import core.ssm.gated_delta_net as gdn
 
     monkeypatch.setattr(gdn, "megatron_tp_grad_reduction", lambda *args: "reduce_scatter")
-    rank = SimpleNamespace(out_norm=SimpleNamespace(weight=_weight()), tp_size=2,
+    rank = SimpleNamespace(out_norm=_norm_of({"weight": _weight()}), tp_size=2,
                            config=gdn_config(tensor_model_parallel_size=2),
                            pg_collection=SimpleNamespace(tp=_TPGroupOfTwo()))
     with pytest.raises(RuntimeError, match="reduces out_norm.weight's tensor-parallel gradient "
@@ -234,7 +284,7 @@ def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(change, monkeypa
 def test_replaced_weight_without_tp_tag_raises():
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
-    module.out_norm_weight_grad_scale = 2.0  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
     setattr(module.out_norm.weight, TP_AVG_TAG, True)
     module._apply_gated_norm(x, gate)
     module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # untagged weight
@@ -242,10 +292,10 @@ def test_replaced_weight_without_tp_tag_raises():
         module._apply_gated_norm(x, gate)
     setattr(module.out_norm.weight, TP_AVG_TAG, True)
     module._apply_gated_norm(x, gate)
-    module.out_norm_weight_grad_scale = 1.0  # TP 1 / megatron reduces: any weight is fine
+    module.out_norm_grad_scales = {"weight": 1.0}  # TP 1 / megatron reduces: any weight is fine
     module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)
     module._apply_gated_norm(x, gate)
-    module.out_norm_weight_grad_scale = 2.0
+    module.out_norm_grad_scales = {"weight": 2.0}
     module.out_norm = torch.nn.Identity()  # no weight at all: validation's own error
     with pytest.raises(ValueError, match="out_norm to have a weight"):
         module._apply_gated_norm(x, gate)
@@ -259,7 +309,7 @@ def test_tp_tag_reaches_megatron_fsdp_distributed_param():
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
     weight = module.out_norm.weight
-    module.out_norm_weight_grad_scale = 2.0  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
     setattr(weight, TP_AVG_TAG, True)
     dist_weight, dist_other = torch.nn.Parameter(weight.detach()[:8]), torch.nn.Parameter(torch.ones(2))
     dist_weight.orig_param, dist_other.orig_param = weight, torch.nn.Parameter(torch.ones(2))

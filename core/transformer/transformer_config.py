@@ -13,7 +13,8 @@ from megatron.core.transformer.transformer_config import (
     TransformerConfig as _MegatronTransformerConfig,
 )
 
-from core.fusions.gated_norm_validation import check_bool, check_norm_and_gate
+from core.fusions.gated_norm_validation import (check_bool, check_norm_and_gate,
+                                                 check_positive_number)
 
 
 @dataclass
@@ -82,6 +83,9 @@ def validate_gdn_config(config) -> None:
     if not check_gdn_field_types(config):
         return
     activation = check_norm_and_gate(config.normalization, config.activation_func, "activation_func")
+    # The kernels take eps as a normal fp32 number; checked again on every fused forward.
+    check_positive_number(f"{type(config).__name__} with fused_gated_norm", "layernorm_epsilon",
+                          config.layernorm_epsilon)
     if activation == "sigmoid" and not config.deterministic_mode:
         raise ValueError(
             "fused_gated_norm with a sigmoid gate requires deterministic_mode=True: megatron's "

@@ -96,6 +96,13 @@ def test_layernorm_refused_naming_the_flags(monkeypatch):
         transformer_config_from_args(args)
 
 
+def test_zero_epsilon_refused_naming_the_flags(monkeypatch):
+    args = megatron_args(monkeypatch, "--fused-gated-norm", "--norm-epsilon", "0")
+    with pytest.raises(ValueError, match=r"layernorm_epsilon must be finite and > 0.* got 0\.0 "
+                                         r"\[command line: --fused-gated-norm, --norm-epsilon\]"):
+        transformer_config_from_args(args)
+
+
 def test_gelu_gate_refused_naming_swiglu(monkeypatch):
     # Without --swiglu megatron's activation (the GDN gate activation) is gelu.
     line = [a for a in GDN_COMMAND_LINE if a != "--swiglu"]

@@ -44,6 +44,17 @@ def test_flag_requires_supported_gate_activation(activation):
         gdn_config(fused_gated_norm=True, activation_func=activation)
 
 
+@pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-1e-6, ValueError),
+                                        (float("nan"), ValueError), ("1e-6", TypeError)])
+def test_flag_requires_a_positive_epsilon(eps, error):
+    """The kernels take eps as a normal fp32 number: refused when the config is built, not at
+    the first forward; the unfused path keeps megatron's rules."""
+    with pytest.raises(error, match="TransformerConfig with fused_gated_norm: layernorm_epsilon must be"):
+        gdn_config(fused_gated_norm=True, layernorm_epsilon=eps)
+    if error is ValueError:
+        assert gdn_config(fused_gated_norm=False, layernorm_epsilon=eps).layernorm_epsilon is eps
+
+
 def test_zero_centered_override_must_be_bool_or_none():
     with pytest.raises(TypeError, match="gdn_out_norm_zero_centered_gamma must be None"):
         gdn_config(gdn_out_norm_zero_centered_gamma="yes")

@@ -28,7 +28,7 @@ from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
 from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
                                             next_power_of_2)
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
-    FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool,
+    FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool, check_option,
     check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
     check_out_apart, check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
     tensor_signature, validate_gated_norm)
@@ -560,18 +560,27 @@ def forward_impl(
     ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
     buffer); a new contiguous tensor when None. Its rows must not share memory with each other;
     it may be x or gate itself (computed in place), else it must not overlap them, nor the
-    weight (ValueError). ``bt``/``warps``/``pdl`` (programmatic dependent launch) override the
+    weight (ValueError). It counts as modified in place (its autograd version goes up, so a
+    graph that saved it refuses to backward), and with grad mode on it must not require grad
+    (ValueError: forward_impl has no autograd). ``bt``/``warps``/``pdl`` (programmatic dependent launch) override the
     heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). ``zero_centered`` must be a
     bool (TypeError otherwise): it selects a compiled variant. The tensors, eps and the
     activation are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when their
     launch signature (everything those checks read) is new, the same plan serving every later
     call that matches it; the flags and overrides on every call, and so are all the rules and
     the overlap of a given ``out`` (addresses are not in a signature)."""
-    if out is not None:
-        _check_forward(x, gate, weight, out, eps, activation)
-        check_out_apart("forward_impl", out, (("x", x), ("gate", gate)), weight)
-    return _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt,
-                         warps, pdl)
+    if out is None:
+        return _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt,
+                             warps, pdl)
+    _check_forward(x, gate, weight, out, eps, activation)
+    check_out_apart("forward_impl", out, (("x", x), ("gate", gate)), weight)
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError("forward_impl: out requires grad with grad mode enabled; forward_impl has "
+                         "no autograd (write into it under torch.no_grad(), or use fused_gated_norm)")
+    result = _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt,
+                           warps, pdl)
+    torch.autograd.graph.increment_version(out)  # written by the kernel, unseen by autograd
+    return result
 
 
 def _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt=None,
@@ -839,8 +848,7 @@ def fused_gated_norm(
     check_gated_norm_inputs(x, gate, weight, eps)
     check_bool(FUSED_GATED_NORM, "zero_centered", zero_centered)
     check_positive_number(FUSED_GATED_NORM, "weight_grad_scale", weight_grad_scale)
-    if out_layout not in OUT_LAYOUTS:
-        raise ValueError(f"fused_gated_norm: out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
+    check_option(FUSED_GATED_NORM, "out_layout", out_layout, OUT_LAYOUTS)
     check_activation(FUSED_GATED_NORM, activation)
     return apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, activation,
                                       weight_grad_scale)

@@ -52,7 +52,8 @@ def fused_gdn_gated_rms_norm(
         weight: (head_v_dim,) contiguous, shared by all heads; fp32 or x's dtype.
         out: x's shape and dtype, last dim contiguous, rows not overlapping each other. May be x
             itself (or z itself): each row is read completely before it is written, by the same
-            program. Any partial overlap with x, z or weight is rejected.
+            program. Any partial overlap with x, z or weight is rejected. Written in place: its
+            autograd version goes up, as with any in-place op.
         eps: finite Python float (or int) > 0, added to mean(x^2).
         num_v_heads, head_v_dim: the head split of the last dim; head_v_dim <= MAX_HEAD_DIM.
         norm_before_gate: a bool; True: rms_norm(x) * act(z); False: rms_norm(x * act(z)).
@@ -89,6 +90,9 @@ def fused_gdn_gated_rms_norm(
         tl.float32,  # no intermediate rounding: one rounding at the store
         norm_before_gate, cfg.bt, cfg.block_d, cfg.warps, cfg.pdl,
     )
+    # Written by the kernel, unseen by autograd: a graph that saved out (x itself, say) then
+    # refuses to backward, as after any in-place op. Inference tensors have no version.
+    torch.autograd.graph.increment_version(out)
 
 
 # ----------------------------------------------------------------------------------------------

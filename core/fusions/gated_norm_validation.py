@@ -184,14 +184,18 @@ def check_positive_number(entry: str, name: str, value) -> None:
                          f"({FP32_MIN_NORMAL:.6g} to {FP32_MAX:.6g}), got {value!r}")
 
 
+def check_option(entry: str, name: str, value, choices: tuple) -> None:
+    """One of the strings ``choices``: TypeError for a non-string, ValueError for another
+    string (the kernels select such an option by name and have no other)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{entry}: {name} must be a str, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{entry}: {name} must be one of {choices}, got {value!r}")
+
+
 def check_activation(entry: str, activation, names: tuple = SUPPORTED_ACTIVATIONS) -> None:
-    """One of ``names`` (the entry's spellings of the kernels' activations): TypeError for a
-    non-string, ValueError for another name (the kernels select the activation by name and
-    have no other)."""
-    if not isinstance(activation, str):
-        raise TypeError(f"{entry}: activation must be a str, got {type(activation).__name__}")
-    if activation not in names:
-        raise ValueError(f"{entry}: activation must be one of {names}, got {activation!r}")
+    """One of ``names``, the entry's spellings of the kernels' activations (check_option)."""
+    check_option(entry, "activation", activation, names)
 
 
 def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
@@ -232,7 +236,7 @@ def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.T
     if weight.shape != (dim,):
         raise ValueError(f"{entry}: {weight_name} must have shape ({dim},) (one value per element "
                          f"of a head), got {tuple(weight.shape)}")
-    if dim and weight.stride()[0] != 1:
+    if dim > 1 and weight.stride()[0] != 1:  # one element is read at offset 0, whatever its stride
         raise ValueError(f"{entry}: {weight_name} must be contiguous, got stride {weight.stride()}")
 
 
@@ -314,7 +318,7 @@ def check_last_dim_stride(entry: str, named: tuple) -> list:
     strides = []
     for name, t in named:
         stride = t.stride()
-        if stride[-1] != 1:
+        if stride[-1] != 1 and t.shape[-1] != 1:  # a last dim of one element is read at offset 0
             raise ValueError(f"{entry}: {name} must have last-dim stride 1, got strides {stride}")
         strides.append(stride)
     return strides

@@ -558,6 +558,8 @@ def test_impls_take_cpu_tensors_only_under_the_interpreter(no_device, monkeypatc
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"out_layout": "hbsd"}, ValueError, "out_layout must be one of"),
+    ({"out_layout": None}, TypeError, "out_layout must be a str, got NoneType"),
+    ({"out_layout": 1}, TypeError, "out_layout must be a str, got int"),
     ({"activation": "gelu"}, ValueError, "activation must be one of"),
     ({"activation": ["silu"]}, TypeError, "activation must be a str, got list"),
 ])
@@ -709,6 +711,47 @@ def test_forward_impl_computes_in_place():
         args = {"x": x, "gate": gate} | {name: t}
         out, _ = kernel_module.forward_impl(args["x"], args["gate"], weight, EPS, out=t)
         assert out is t and torch.equal(t, want), name
+
+
+def test_forward_impl_writing_into_out_counts_as_in_place():
+    """A kernel's write is invisible to autograd: forward_impl bumps out's version, so a graph
+    that saved the tensor refuses to backward instead of using the overwritten values, as after
+    any in-place op; and it refuses an out that requires grad while grad mode is on."""
+    a = torch.randn(1, 2, 2, 64, device=DEVICE, requires_grad=True)
+    x = a.exp()  # exp saves its output for the backward
+    gate, weight = torch.randn_like(x), torch.ones(64, device=DEVICE)
+    version = x._version
+    with torch.no_grad():
+        kernel_module.forward_impl(x, gate, weight, EPS, out=x)
+    assert x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        x.sum().backward()
+    leaf = torch.zeros_like(x, requires_grad=True)
+    with pytest.raises(ValueError, match="forward_impl: out requires grad with grad mode enabled"):
+        kernel_module.forward_impl(x.detach(), gate, weight, EPS, out=leaf)
+    with torch.no_grad():
+        kernel_module.forward_impl(x.detach(), gate, weight, EPS, out=leaf)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 1), (1, 1, 1, 1)])
+def test_head_dim_one_with_any_last_dim_stride(shape):
+    """A last dim of one element is read at offset 0 whatever its stride: the strides torch
+    gives such tensors (a permuted view, the expanded gradient of ``sum()``, a stride-0 weight)
+    are taken, forward and backward, as the unfused path takes them."""
+    base = torch.randn(shape[-1], *shape[:-1], device=DEVICE, dtype=torch.bfloat16)
+    x = base.permute(1, 2, 3, 0).requires_grad_()  # last-dim stride != 1, yet contiguous
+    gate = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1, device=DEVICE, dtype=torch.bfloat16).expand(1).requires_grad_()
+    out = fused_gated_norm(x, gate, weight, EPS)
+    ref = unfused_gated_norm(x, gate, weight, EPS)
+    assert_bitwise_or_within_ulps(out, ref)
+    out.float().sum().backward()  # dy: an expanded scalar, strides 0
+    fused = (x.grad, gate.grad, weight.grad)
+    for t in (x, gate, weight):
+        t.grad = None
+    unfused_gated_norm(x, gate, weight, EPS).float().sum().backward()
+    for got, want in zip(fused, (x.grad, gate.grad, weight.grad)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
 
 
 # ------------------------------------------------------------------------------------ 64-bit rows

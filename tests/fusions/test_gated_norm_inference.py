@@ -115,6 +115,25 @@ def test_no_grad_with_requires_grad_inputs_and_grad_mode_rejected():
         fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
 
 
+def test_writing_into_out_counts_as_in_place():
+    """out = x under no_grad, where autograd saved x: the entry bumps x's version, so the graph
+    refuses to backward rather than use the overwritten values (as after torch's in-place ops).
+    Inference tensors have no version, and the call takes them."""
+    a = torch.randn(TOKENS, HEADS * DIM, device=DEVICE, requires_grad=True)
+    x = a.exp()  # exp saves its output for the backward
+    z, weight = torch.randn_like(x), torch.ones(DIM, device=DEVICE)
+    version = x._version
+    with torch.no_grad():
+        fused_gdn_gated_rms_norm(x, z, weight, x, EPS, HEADS, DIM)
+    assert x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        x.sum().backward()
+    with torch.inference_mode():
+        x, z, weight, out = make(TOKENS, HEADS, DIM, torch.bfloat16, "contiguous")
+        fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
+        assert out.is_inference()
+
+
 def test_host_path_runs_no_tensor_op(monkeypatch):
     """The whole entry up to its launch, validation included, runs no tensor op (hence no
     device sync, no allocation, no copy)."""

@@ -51,3 +51,12 @@ def shifted(t, elements=1):
 def sbhd_view(t):
     """The values of ``t`` as a [B, S, H, D] view of a contiguous [S, B, H, D] buffer."""
     return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def sequence_slice(t, extra=3):
+    """The values of ``t`` as a [B, S, H, D] view of the first S tokens of a [B, S + extra, H, D]
+    buffer: with B > 1, batch and sequence do not fold into one token stride."""
+    batch, seq, heads, dim = t.shape
+    buffer = t.new_zeros(batch, seq + extra, heads, dim)
+    buffer[:, :seq].copy_(t)
+    return buffer[:, :seq]

@@ -24,7 +24,8 @@ from tests.gated_norm_checks import (
     float64_grads,
     gradients,
 )
-from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate, sbhd_view
+from tests.gated_norm_inputs import (DEVICE, EPS, make_inputs, packed_projection_gate, sbhd_view,
+                                     sequence_slice)
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -109,6 +110,23 @@ def test_forward_without_autograd_stores_no_rstd(mode, monkeypatch):
     assert kernel_module.forward_impl(x, gate, weight, EPS, store_rstd=False)[1] is None
 
 
+@pytest.mark.parametrize("needs_grad", ["x", "gate", "weight"])
+def test_one_input_requiring_grad_gets_its_gradient(needs_grad):
+    """Any one of the three inputs requiring grad makes the call differentiable: the output
+    requires grad and that input's gradient is the unfused path's (the others get none)."""
+    inputs = dict(zip(("x", "gate", "weight"), make_inputs((2, 5, 3, 64), torch.bfloat16)))
+    inputs[needs_grad].requires_grad_()
+    out = fused_gated_norm(*inputs.values(), EPS)
+    assert out.requires_grad
+    dy = make_inputs(out.shape, torch.bfloat16, seed=3)[0]
+    (got,) = torch.autograd.grad(out, inputs[needs_grad], dy)
+    (want,) = torch.autograd.grad(unfused_gated_norm(*inputs.values(), EPS), inputs[needs_grad], dy)
+    if needs_grad == "weight":
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    else:
+        assert_bitwise_or_within_ulps(got, want)
+
+
 # ------------------------------------------------------------------------------------ layouts
 
 
@@ -117,6 +135,7 @@ LAYOUTS = {
     "packed_gate": lambda x, g: (x, packed_projection_gate(x.shape, x.dtype)),
     "sbhd_x_and_gate": lambda x, g: (sbhd_view(x), sbhd_view(g)),
     "sbhd_x_packed_gate": lambda x, g: (sbhd_view(x), packed_projection_gate(x.shape, x.dtype)),
+    "sequence_slices": lambda x, g: (sequence_slice(x), sequence_slice(g)),
 }
 
 
@@ -126,7 +145,9 @@ LAYOUTS = {
 def test_strided_layouts_forward_and_backward(layout, out_layout, dtype):
     x, gate, weight = make_inputs((2, 4, 3, 96), dtype)
     x, gate = LAYOUTS[layout](x, gate)
-    dy = sbhd_view(make_inputs(x.shape, dtype, seed=7)[0])  # the grad of a transpose-contiguous
+    dy = make_inputs(x.shape, dtype, seed=7)[0]
+    # the grad of a transpose-contiguous, or (sequence slices) of a slice of a longer sequence
+    dy = sequence_slice(dy) if layout == "sequence_slices" else sbhd_view(dy)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
     out = fused_gated_norm(*leaves, EPS, out_layout=out_layout)
     grads = torch.autograd.grad(out, leaves, dy)

@@ -58,6 +58,8 @@ def test_validation_reads_every_spelling_of_the_norm_eps(attr):
     validation.validate_gated_norm(_gdn_stand_in({attr: EPS}), x, gate)
     with pytest.raises(ValueError, match=r"out_norm eps \(0\.001\) to equal config\.layernorm_epsilon"):
         validation.validate_gated_norm(_gdn_stand_in({attr: 1e-3}), x, gate)
+    with pytest.raises(ValueError, match=r"out_norm eps \(1\.0\) to equal config\.layernorm_epsilon"):
+        validation.validate_gated_norm(_gdn_stand_in({attr: 1}), x, gate)  # an int eps is read too
     validation.validate_gated_norm(_gdn_stand_in({}), x, gate)  # no eps to compare: accepted
 
 
@@ -188,6 +190,11 @@ def test_overlap_of_views():
     (lambda t: t.transpose(0, 1), True),  # an sbhd view
     (lambda t: torch.zeros(2, 3, 64).as_strided((2, 3, 4, 16), (192, 64, 8, 1)), False),
     (lambda t: t[:, :1].expand(2, 1, 4, 16), True),  # a size-1 dim takes any stride
+    # the boundary: heads exactly one row apart, or one element closer
+    (lambda t: torch.zeros(96).as_strided((1, 1, 4, 16), (64, 64, 16, 1)), True),
+    (lambda t: torch.zeros(96).as_strided((1, 1, 4, 16), (64, 64, 15, 1)), False),
+    (lambda t: torch.zeros(200).as_strided((1, 3, 4, 16), (192, 64, 16, 1)), True),
+    (lambda t: torch.zeros(200).as_strided((1, 3, 4, 16), (192, 63, 16, 1)), False),
 ])
 def test_rows_apart(view, apart):
     t = view(torch.zeros(2, 3, 4, 16))
@@ -197,6 +204,12 @@ def test_rows_apart(view, apart):
         with pytest.raises(ValueError, match="entry: out rows must not overlap each other"):
             validation.check_rows_apart("entry", "out", t)
 
+
+
+def test_row_count_limit_is_exact():
+    validation.check_rows("entry", "rows", validation.MAX_ROWS)
+    with pytest.raises(ValueError, match=f"entry: rows must be <= {validation.MAX_ROWS}"):
+        validation.check_rows("entry", "rows", validation.MAX_ROWS + 1)
 
 
 @pytest.mark.parametrize("bad", ["x", ["gate"]], ids=["str", "list"])

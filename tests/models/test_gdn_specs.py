@@ -133,7 +133,8 @@ def test_hybrid_block_with_moe_mlps_matches_unfused():
 # --- built on megatron's own spec functions ---------------------------------------------------
 
 
-def test_use_te_is_a_bool_and_agrees_with_transformer_impl():
+def test_use_te_is_a_bool_and_agrees_with_transformer_impl(monkeypatch):
+    monkeypatch.setattr(gdn_specs, "HAVE_TE", True)  # auto must then follow transformer_impl
     with pytest.raises(TypeError, match=r"gdn_specs: use_te must be None \(Transformer Engine when "
                                         r"installed and transformer_impl asks for it\), True or False"):
         get_gdn_module_spec(use_te="yes")
@@ -176,14 +177,16 @@ def test_te_specs_are_megatrons_with_our_gdn(monkeypatch):
     dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
     dict(num_layers=6, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t*5L"),
 ], ids=["pp2", "pp2-vp2", "pp2-layout"])
-def test_local_block_slices_the_pipeline_as_megatron_does(pipeline):
-    """Each (pp_rank, vp_stage) of the no-TE block holds the layers megatron's own builder gives
-    that stage (its TE spec objects, built here without TE), for an even split, virtual stages
-    and an uneven pipeline_model_parallel_layout; the stages in model order make the pattern."""
+def test_blocks_slice_the_pipeline_as_megatron_does(pipeline, monkeypatch):
+    """Each (pp_rank, vp_stage) of the no-TE block, and of the TE one, holds the layers
+    megatron's own builder gives that stage (its TE spec objects, built here without TE), for an
+    even split, virtual stages and an uneven pipeline_model_parallel_layout; the stages in model
+    order make the pattern."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
 
     from core.testing.specs import megatron_te_spec_builders
 
+    monkeypatch.setattr(gdn_specs, "HAVE_TE", True)  # the TE spec objects, built without TE
     pattern = [1, 1, 0, 1, 0, 0, 1, 0][:pipeline["num_layers"]]  # 1 = GDN
     config = gdn_config(linear_attention_freq=pattern, pipeline_dtype=torch.float32, **pipeline)
     virtual = (0, 1) if "virtual_pipeline_model_parallel_size" in pipeline else (None,)
@@ -195,7 +198,10 @@ def test_local_block_slices_the_pipeline_as_megatron_does(pipeline):
             with megatron_te_spec_builders():
                 megatrons = mexp.get_transformer_block_with_experimental_attention_variant_spec(
                     config, vp_stage=vp_stage, pp_rank=pp_rank)
-            assert _mixers(local) == _mixers(megatrons), (vp_stage, pp_rank)
+                # the TE block is megatron's, sliced by the same stage arguments
+                te_block = get_gdn_hybrid_block_spec(config, use_te=True, vp_stage=vp_stage,
+                                                     pp_rank=pp_rank)
+            assert _mixers(local) == _mixers(megatrons) == _mixers(te_block), (vp_stage, pp_rank)
             in_model_order += _mixers(local)
     assert in_model_order == ["GatedDeltaNet" if p else "SelfAttention" for p in pattern]
 

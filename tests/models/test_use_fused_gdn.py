@@ -102,6 +102,18 @@ def test_bare_class_import_path_and_foreign_subclass():
     assert use_fused_gdn(theirs) is theirs
 
 
+def test_classes_in_a_specs_params_dict_are_replaced():
+    """A spec whose ``params`` dict names the GDN class (a wrapper module taking its mixer as an
+    argument): the dict is rewritten in a copy, its other entries kept, the input untouched."""
+    params = {"mixer": MegatronGDN, "mixers": [MegatronGDN], "width": 8}
+    spec = ModuleSpec(module=torch.nn.Module, params=params)
+    fused = use_fused_gdn(spec)
+    assert fused.params == {"mixer": GatedDeltaNet, "mixers": [GatedDeltaNet], "width": 8}
+    assert params == {"mixer": MegatronGDN, "mixers": [MegatronGDN], "width": 8}
+    assert spec.params is params and fused.params is not params
+    assert use_fused_gdn(fused) is fused
+
+
 class _SpecBuilder:
     def __call__(self, config, vp_stage=None):
         return mexp.get_transformer_block_with_experimental_attention_variant_spec(

@@ -162,10 +162,17 @@ def test_fused_path_refuses_hooks_it_cannot_honour(scale):
     with pytest.raises(RuntimeError, match="in place of the fused output"):
         module._apply_gated_norm(x, gate)
     handle.remove()
-    handle = module.out_norm.register_full_backward_hook(lambda m, grad_in, grad_out: None)
-    with pytest.raises(RuntimeError, match="has backward hooks"):
-        module._apply_gated_norm(x, gate)
-    handle.remove()
+    nn_module = torch.nn.modules.module
+    for register in (module.out_norm.register_full_backward_hook,
+                     module.out_norm.register_full_backward_pre_hook,
+                     nn_module.register_module_full_backward_hook,  # global: every module's
+                     nn_module.register_module_full_backward_pre_hook):
+        handle = register(lambda *args: None)
+        try:
+            with pytest.raises(RuntimeError, match="has backward hooks"):
+                module._apply_gated_norm(x, gate)
+        finally:
+            handle.remove()
     module._apply_gated_norm(x, gate)
 
 

@@ -3,6 +3,7 @@ work as the difference of its timings, in units of the tiny op timed beside them
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,9 @@ def test_host_profile_reports_own_work_from_its_timings():
             "ref_torch_add_us", "ref_same_signature_forward_us", "ref_same_signature_backward_us",
             "validation_us", "own_units", "own_units_q1", "own_units_q3",
             "same_signature_units"} == set(values)
-    assert 0 < values["own_units_q1"] <= values["own_units"] <= values["own_units_q3"]
+    # differences of timings: their sign is the host's, only the quartiles' order is the tool's
+    assert all(math.isfinite(value) for value in values.values())
+    assert values["own_units_q1"] <= values["own_units"] <= values["own_units_q3"]
 
 
 def test_units_are_host_costs_per_round_formula(monkeypatch):

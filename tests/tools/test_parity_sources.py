@@ -17,7 +17,7 @@ def test_parity_sources_on_the_cpu():
     result = parity_sources((1, 1024, 8, 128), device="cpu")
     assert result["rstd_vs_torch"]["differ"] > 0.05
     assert result["rows_with_a_difference"] > 0  # else the row check below checks nothing
-    assert result["out_vs_unfused"]["max_ulp"] == 1
+    assert result["out_vs_unfused"]["max_ulp"] <= 1
     with_our_rstd = result["out_vs_unfused_with_our_rstd"]
     assert with_our_rstd["differ"] <= 1e-5 and with_our_rstd["max_ulp"] <= 1
     activation_rows = round(with_our_rstd["differ"] * result["elements"])

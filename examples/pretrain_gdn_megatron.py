@@ -115,11 +115,18 @@ def add_launcher_args(parser):
 
 def check_launcher_scope(args) -> None:
     """This launcher trains a GPT with GDN layers, with the TE implementation only where TE is
-    installed."""
+    installed, and without multi-token prediction (which megatron.training's GPT builder cannot
+    build for the GDN variant)."""
     if args.experimental_attention_variant != "gated_delta_net":
         raise ValueError("examples/pretrain_gdn_megatron.py trains a GDN hybrid: pass "
                          "--experimental-attention-variant gated_delta_net (and "
                          "--linear-attention-freq)")
+    if args.mtp_num_layers:
+        raise ValueError(
+            "--mtp-num-layers: megatron.training 0.19's GPTModelConfig builds the MTP block from "
+            "get_gpt_decoder_layer_specs, which refuses the gated_delta_net attention variant "
+            "(an AssertionError after the model build starts); this launcher trains without MTP"
+        )
     if args.transformer_impl == "transformer_engine" and not HAVE_TE:
         raise ValueError("--transformer-impl transformer_engine (megatron's default) needs "
                          "Transformer Engine, which is not installed: pass --transformer-impl local")

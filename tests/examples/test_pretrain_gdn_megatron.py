@@ -253,7 +253,9 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
                                   "needs Transformer Engine, which is not installed"),
     (("--spec", "no.such.module", "nothing"), (), "--spec no.such.module nothing: megatron could "
                                                   "not import it"),
-], ids=["transformer_engine_without_te", "spec_that_does_not_import"])
+    (("--mtp-num-layers", "1"), (), "--mtp-num-layers: megatron.training 0.19's GPTModelConfig "
+                                     "builds the MTP block from get_gpt_decoder_layer_specs"),
+], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp"])
 def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     from core.models.gdn_specs import HAVE_TE
 

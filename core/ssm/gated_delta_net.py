@@ -534,9 +534,10 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         ``scale_grad`` with that factor. out_norm's own forward pre-hooks run first, with the
         parameters in place (megatron's DDP waits there for their all-gather, and acts on
         Parameters only); inside megatron's call of out_norm, where the slots hold the scaled
-        tensors, they are set aside so that none runs twice. A hook's replacement input is what megatron's call gets, as in ``out_norm(x)``.
-        Global hooks and forward hooks run inside megatron's call as usual, so here the global
-        pre-hooks run after out_norm's own, where a module call runs them first."""
+        tensors, they are set aside so that none runs twice. A hook's replacement input is what
+        megatron's call gets, as in ``out_norm(x)``. Global hooks and forward hooks run inside
+        megatron's call as usual, so here the global pre-hooks run after out_norm's own, where a
+        module call runs them first."""
         norm = self.out_norm
         own_hooks = norm._forward_pre_hooks
         if own_hooks:

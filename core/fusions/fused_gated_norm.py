@@ -563,9 +563,9 @@ def forward_impl(
     weight (ValueError). It counts as modified in place (its autograd version goes up, so a
     graph that saved it refuses to backward), and with grad mode on it must not require grad
     (ValueError: forward_impl has no autograd). ``bt``/``warps``/``pdl`` (programmatic
-    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py). ``zero_centered`` must be a
-    bool (TypeError otherwise): it selects a compiled variant. The tensors, eps and the
-    activation are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when their
+    dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
+    ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant. The
+    tensors, eps and the activation are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when their
     launch signature (everything those checks read) is new, the same plan serving every later
     call that matches it; the flags and overrides on every call, and so are all the rules and
     the overlap of a given ``out`` (addresses are not in a signature)."""

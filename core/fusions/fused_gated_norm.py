@@ -565,10 +565,11 @@ def forward_impl(
     (ValueError: forward_impl has no autograd). ``bt``/``warps``/``pdl`` (programmatic
     dependent launch) override the heuristics of ``gated_norm_launch`` (tools/launch_sweep.py).
     ``zero_centered`` must be a bool (TypeError otherwise): it selects a compiled variant. The
-    tensors, eps and the activation are checked (``fused_gated_norm``'s rules, TypeError / ValueError) when their
-    launch signature (everything those checks read) is new, the same plan serving every later
-    call that matches it; the flags and overrides on every call, and so are all the rules and
-    the overlap of a given ``out`` (addresses are not in a signature)."""
+    tensors, eps and the activation are checked (``fused_gated_norm``'s rules, TypeError /
+    ValueError) when their launch signature (everything those checks read) is new, the same
+    plan serving every later call that matches it; the flags and overrides on every call, and
+    so are all the rules and the overlap of a given ``out`` (addresses are not in a
+    signature)."""
     if out is None:
         return _forward_into(x, gate, weight, eps, zero_centered, out, activation, store_rstd, bt,
                              warps, pdl)

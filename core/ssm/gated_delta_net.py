@@ -387,6 +387,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         by the backward, so that AVG = SUM of the partials. 1.0 (nothing done) at TP 1 and where
         megatron reduces it itself. Returns ``{name: factor}`` for out_norm's own parameters."""
         params = dict(self.out_norm.named_parameters(recurse=False))
+        self.__dict__["_out_norm_summed_by_sp_tag"] = set()
         if self.tp_size == 1:
             return {name: 1.0 for name in params}
         scales = {}
@@ -395,6 +396,8 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                                                    f"out_norm.{name}")
             if reduction == "sum":  # megatron adds the partials itself (sequence parallelism on)
                 scales[name] = 1.0
+                if self.config.sequence_parallel and getattr(param, "sequence_parallel", False):
+                    self._out_norm_summed_by_sp_tag.add(name)  # by that tag: it must stay
                 continue
             if reduction is None:
                 setattr(param, TP_AVG_TAG, True)
@@ -408,21 +411,30 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         return scales
 
     def _check_out_norm_tp_tag(self) -> None:
+        """Each out_norm parameter still carries what has its TP gradient made whole: the tag
+        of finalize's AVG where the backward scales it, megatron's ``sequence_parallel`` tag
+        where megatron sums it for that tag (RuntimeError otherwise, naming the tag). Only
+        where a gradient can flow: a parameter replaced for inference (``load_state_dict(...,
+        assign=True)`` drops the tags) still runs under ``torch.no_grad()``."""
+        if not torch.is_grad_enabled():
+            return
         for name, scale in self.out_norm_grad_scales.items():
             if scale != 1.0:
-                self._check_tp_tag(name)
+                self._check_tp_tag(name, TP_AVG_TAG)
+            elif name in self._out_norm_summed_by_sp_tag:
+                self._check_tp_tag(name, "sequence_parallel")
 
-    def _check_tp_tag(self, name: str) -> None:
-        """out_norm's parameter ``name``, whose partial gradient the backward scales, still
-        carries the TP tag where finalize_model_grads reads it (RuntimeError otherwise)."""
+    def _check_tp_tag(self, name: str, tag: str) -> None:
+        """out_norm's parameter ``name`` still carries ``tag`` where finalize_model_grads reads
+        it (RuntimeError otherwise); a parameter that takes no gradient needs none."""
         param = self.out_norm._parameters.get(name)  # none: the norm's own checks refuse it
-        if not isinstance(param, torch.nn.Parameter):
+        if not isinstance(param, torch.nn.Parameter) or not param.requires_grad:
             return
-        fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
-        if getattr(param, "_megatron_fsdp_model", None) is not None and not fsdp_copy_tagged(
-                param, TP_AVG_TAG, fsdp_indices.get(name)):
-            fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
-        if getattr(param, TP_AVG_TAG, False):
+        if tag == TP_AVG_TAG and getattr(param, "_megatron_fsdp_model", None) is not None:
+            fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
+            if not fsdp_copy_tagged(param, TP_AVG_TAG, fsdp_indices.get(name)):
+                fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
+        if getattr(param, tag, False):
             return
         # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
         # record is searched once (FSDP2 keeps both from step to step); the sharded parameter
@@ -433,12 +445,12 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         if fsdp_param is None or getattr(fsdp_param, "_unsharded_param", None) is not param:
             fsdp_param = torch_fsdp2_param(self.out_norm, name)
             fsdp2_params[name] = None if fsdp_param is None else weakref.ref(fsdp_param)
-        if fsdp_param is not None and getattr(fsdp_param.sharded_param, TP_AVG_TAG, False):
+        if fsdp_param is not None and getattr(fsdp_param.sharded_param, tag, False):
             return
         raise RuntimeError(
-            f"GatedDeltaNet: out_norm.{name} lost its {TP_AVG_TAG} tag (the parameter was "
+            f"GatedDeltaNet: out_norm.{name} lost its {tag} tag (the parameter was "
             "replaced after construction), so finalize_model_grads would leave its "
-            f"tensor-parallel gradient partial. Set module.out_norm.{name}.{TP_AVG_TAG} = True "
+            f"tensor-parallel gradient partial. Set module.out_norm.{name}.{tag} = True "
             "on the new parameter."
         )
 

@@ -301,6 +301,39 @@ def test_replaced_weight_without_tp_tag_raises():
         module._apply_gated_norm(x, gate)
 
 
+def test_replaced_parameter_runs_where_no_gradient_flows():
+    """load_state_dict(..., assign=True) drops the tags; where no gradient can flow (grad mode
+    off, or a frozen weight) the replaced parameter needs none, so inference runs."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
+    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # untagged weight
+    with torch.no_grad():
+        module._apply_gated_norm(x, gate)
+    module.out_norm.weight.requires_grad_(False)
+    module._apply_gated_norm(x, gate)
+    module.out_norm.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=f"out_norm.weight lost its {TP_AVG_TAG} tag"):
+        module._apply_gated_norm(x, gate)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_replaced_weight_without_its_sequence_parallel_tag_raises(fused):
+    """With sequence parallelism megatron sums the out_norm gradient over TP for the weight's
+    sequence_parallel tag, and the module adds nothing: a replacement weight without that tag
+    would leave the gradient partial, and the next forward names it."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
+    module._out_norm_summed_by_sp_tag = {"weight"}  # as on a TP 2 rank with SP
+    module.out_norm.weight.sequence_parallel = True
+    module._apply_gated_norm(x, gate)
+    module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # sequence_parallel False
+    with pytest.raises(RuntimeError, match="out_norm.weight lost its sequence_parallel tag"):
+        module._apply_gated_norm(x, gate)
+    module.out_norm.weight.sequence_parallel = True
+    module._apply_gated_norm(x, gate)
+
+
 def test_tp_tag_reaches_megatron_fsdp_distributed_param():
     """Megatron-FSDP (it needs CUDA: the GPU case is tests/ssm/test_gdn_layouts_gpu.py) runs the
     forward on the module's own parameter, marked ``_megatron_fsdp_model``, and hands finalize

@@ -33,7 +33,9 @@ output), for examples/run_megatron_pairs.py.
 
 Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cpu``'s shims
 (``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
-``--use-cpu-initialization``); docs/integration.md lists where megatron's loop needs them.
+``--use-cpu-initialization``, which it asks for before training: the flags of
+examples/run_megatron_pairs.py's CPU runs); docs/integration.md lists where megatron's loop
+needs the shims.
 """
 
 import json
@@ -127,6 +129,15 @@ def check_launcher_scope(args) -> None:
             "get_gpt_decoder_layer_specs, which refuses the gated_delta_net attention variant "
             "(an AssertionError after the model build starts); this launcher trains without MTP"
         )
+    if not HAS_CUDA:  # the CPU run (core.testing.cpu's shims)
+        needs = [flag for flag, ok in (
+            ("--deterministic-mode (megatron's torch chunk rule: FLA's Triton chunk kernel does "
+             "not run in the Triton interpreter)", args.deterministic_mode),
+            ("--distributed-backend gloo (NCCL needs GPUs)", args.distributed_backend == "gloo"),
+            ("--use-cpu-initialization", args.use_cpu_initialization)) if not ok]
+        if needs:
+            raise ValueError("without a GPU the launcher runs on the CPU, which needs "
+                             + "; ".join(needs))
     if args.transformer_impl == "transformer_engine" and not HAVE_TE:
         raise ValueError("--transformer-impl transformer_engine (megatron's default) needs "
                          "Transformer Engine, which is not installed: pass --transformer-impl local")

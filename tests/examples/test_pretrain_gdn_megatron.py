@@ -207,19 +207,18 @@ def test_every_split_the_driver_asks_for_holds_a_sample(size):
 def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=None,
             metrics="metrics.json"):
     """The launcher on the CPU through torchrun (``nproc`` processes) with the driver's tiny
-    model (or ``model``, its arguments), ``drop`` flags (with their value) left out of the
-    driver's common ones; returns the process and the path of its --gdn-metrics-out file."""
+    model (or ``model``, its arguments), ``drop`` flags (with their value, if any) left out of
+    the command line; returns the process and the path of its --gdn-metrics-out file."""
     driver = _module(DRIVER, "run_megatron_pairs")
-    common = list(driver.COMMON)
-    for flag in drop:
-        i = common.index(flag)
-        del common[i:i + 2]
     metrics_path = out_dir / metrics
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py"),
-           *(model or driver.MODEL["cpu"]), *common, *driver.CPU_ONLY, "--mock-data",
+           *(model or driver.MODEL["cpu"]), *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
            "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
            str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
+    for flag in drop:
+        i = cmd.index(flag)
+        del cmd[i:i + (2 if i + 1 < len(cmd) and not cmd[i + 1].startswith("--") else 1)]
     # the repository first, then whatever the caller's PYTHONPATH holds (a megatron checkout)
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
@@ -255,11 +254,14 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
                                                   "not import it"),
     (("--mtp-num-layers", "1"), (), "--mtp-num-layers: megatron.training 0.19's GPTModelConfig "
                                      "builds the MTP block from get_gpt_decoder_layer_specs"),
-], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp"])
+    ((), ("--deterministic-mode", "--distributed-backend"),
+     "without a GPU the launcher runs on the CPU, which needs --deterministic-mode (megatron's "
+     "torch chunk rule"),
+], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags"])
 def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     from core.models.gdn_specs import HAVE_TE
 
-    if HAVE_TE and drop:
+    if HAVE_TE and "--transformer-impl" in drop:
         pytest.skip("Transformer Engine is installed: megatron's default implementation runs")
     proc, metrics = _launch(tmp_path, *extra, drop=drop)
     assert proc.returncode != 0 and not metrics.exists()

@@ -30,6 +30,7 @@ import datetime
 import gc
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -720,13 +721,27 @@ def _spawn_entry(rank: int, world_size: int, args: argparse.Namespace, init_meth
     worker(rank, world_size, args, init_method)
 
 
+# The config fields build_config takes straight from an option of this script.
+OPTION_OF_FIELD = {
+    **{field: "--" + field.replace("_", "-") for field in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "linear_attention_freq", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "sequence_parallel")},
+    "tensor_model_parallel_size": "--tp",
+}
+
+
 def check_config(args: argparse.Namespace) -> None:
     """megatron's own rules of the model settings (head counts against TP and each other, ...),
-    in this process, before any rank is spawned."""
+    in this process, before any rank is spawned; the message names the options of the fields
+    it mentions."""
     try:
         build_config(args, args.fused_gated_norm)
     except (ValueError, AssertionError, TypeError) as exc:
-        raise SystemExit(f"megatron refuses these model settings: {exc}") from None
+        options = [OPTION_OF_FIELD[word] for word in dict.fromkeys(re.findall(r"[a-z_]+", str(exc)))
+                   if word in OPTION_OF_FIELD]
+        named = f" [options: {', '.join(options)}]" if options else ""
+        raise SystemExit(f"megatron refuses these model settings: {exc}{named}") from None
 
 
 def main(argv=None) -> None:

@@ -207,10 +207,12 @@ def test_cpu_threads_default_and_validation(monkeypatch):
     (["--num-query-groups", "3"], "--num-attention-heads 4 must be a multiple of --num-query-groups 3"),
     # megatron's own rules, from its config, before any rank is spawned
     (["--tp", "3"], r"megatron refuses these model settings: num_attention_heads \(4\) must be a "
-                    r"multiple of tensor_model_parallel_size \(3\)"),
+                    r"multiple of tensor_model_parallel_size \(3\).* \[options: "
+                    r"--num-attention-heads, --tp\]"),
     (["--linear-num-key-heads", "3"], r"megatron refuses these model settings: "
                                       r"linear_num_value_heads \(4\) must be a multiple of "
-                                      r"linear_num_key_heads \(3\)"),
+                                      r"linear_num_key_heads \(3\).* \[options: "
+                                      r"--linear-num-value-heads, --linear-num-key-heads\]"),
 ])
 def test_bad_arguments_stop_before_a_model_is_built(monkeypatch, argv, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -203,7 +203,8 @@ def test_launch_hooks_are_called_exactly_as_triton_would(fake_driver, monkeypatc
         assert (passed_enter, passed_exit) == (enter, exit_)
 
 
-@pytest.mark.parametrize("change", ["scalar", "stride", "warps", "dtype", "alignment"])
+@pytest.mark.parametrize("change", ["scalar", "stride", "warps", "dtype", "alignment",
+                                    "alignment_8_bytes"])
 def test_anything_triton_specialises_on_changes_the_key(fake_driver, change):
     jit = FakeJit()
     launch = DirectLauncher(jit)
@@ -218,8 +219,10 @@ def test_anything_triton_specialises_on_changes_the_key(fake_driver, change):
         warps = 8
     elif change == "dtype":
         x = x.double()
-    else:  # same dtype and shape, address 4 bytes past a 16-byte boundary
+    elif change == "alignment":  # same dtype and shape, address 4 bytes past a 16-byte boundary
         x = buf[1:65]
+    else:  # 8 bytes past: aligned to 8, not to the 16 Triton specialises on
+        x = buf[2:66]
     launch(4, (x,), scalars, warps)
     assert _kinds(jit.log) == ["jit", "jit"]
     launch(4, (x,), scalars, warps)  # and the new key is kept
@@ -239,6 +242,24 @@ def test_a_new_token_count_keeps_the_direct_path(fake_driver):
     launch(4, (x,), (2**31, 128), 4)
     launch(4, (x,), (64, 256), 4)  # a specialised scalar still changes the key
     assert _kinds(jit.log)[4:] == ["jit", "jit"]
+
+
+@pytest.mark.parametrize("first, second", [
+    (2**31 - 1, 2**31),  # i32 -> i64
+    (2**63 - 1, 2**63),  # i64 -> u64
+    (-2**31, -2**31 - 1),  # i32 -> i64, below
+    (1, True),  # a bool is Triton's i1, not an int
+], ids=["i32-i64", "i64-u64", "negative-i32-i64", "int-bool"])
+def test_an_unspecialised_integer_keys_by_tritons_width_class(fake_driver, first, second):
+    """Each side of a width boundary of Triton's do_not_specialize integers is another
+    compiled kernel, and so another key; within a class the kernel is reused."""
+    jit = FakeJit(unspecialised=(1,))
+    launch = DirectLauncher(jit)
+    x = torch.zeros(64)
+    launch(4, (x,), (first, 128), 4)
+    launch(4, (x,), (first, 128), 4)
+    launch(4, (x,), (second, 128), 4)
+    assert _kinds(jit.log) == ["jit", "direct", "jit"]
 
 
 def test_other_device_and_grid(fake_driver):

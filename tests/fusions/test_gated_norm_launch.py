@@ -39,6 +39,19 @@ def test_h200_parameters(h200):
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 1, 4)
     assert launch.backward_launch(200, GPU)[:3] == (2, 1, 256)
+    assert launch.backward_launch(512, GPU).dw_sum_columns == 8
+
+
+def test_no_programmatic_dependent_launch_where_the_gpu_has_none(h200, monkeypatch):
+    """Before sm_90 (and on ROCm) griddepcontrol does not exist: no launch takes it, and the
+    dW sum neither waits for it nor lets the next kernel launch early."""
+    monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: False)
+    launch.forward_launch.cache_clear()
+    launch.backward_launch.cache_clear()
+    for dim in (128, 256):
+        assert launch.forward_launch(dim, GPU).pdl is False
+        cfg = launch.backward_launch(dim, GPU)
+        assert cfg.dw_sum_pdl is False and cfg.dw_sum_dependents is False
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256, 512])

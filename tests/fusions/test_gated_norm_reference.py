@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.fusions.gated_norm_reference import ulp_distance, unfused_gated_norm
+from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
 from core.testing.gdn import eager_megatron_gdn
 from core.transformer import RMSNorm
 from tests.gated_norm_inputs import EPS, make_inputs
@@ -161,3 +161,10 @@ def test_unfused_gated_norm_is_megatrons_apply_gated_norm_run_eagerly(dtype, wei
     for megatron in outputs:
         assert megatron.dtype == dtype and megatron.shape == (2 * 5 * 3, 64)
         assert torch.equal(ours.reshape(-1, 64), megatron)
+
+
+def test_relative_error_is_measured_against_the_exact_value():
+    exact = torch.tensor([3.0, 4.0])
+    assert relative_error(2 * exact, exact) == pytest.approx(1.0)  # ||x|| / ||x||
+    assert relative_error(exact / 2, exact) == pytest.approx(0.5)  # not / ||approx||
+    assert relative_error(exact, exact) == 0.0

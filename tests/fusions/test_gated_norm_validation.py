@@ -206,6 +206,32 @@ def test_rows_apart(view, apart):
 
 
 
+def test_a_call_that_breaks_a_rule_is_not_kept_as_checked(monkeypatch):
+    """The checked-metadata table keeps a signature only after its rules passed: the same bad
+    call is refused every time."""
+    monkeypatch.setattr(validation, "_checked_inputs", {})
+    x, gate, weight = make_inputs((1, 2, 2, 16), torch.bfloat16)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="weight must have shape"):
+            validation.check_gated_norm_inputs(x, gate, weight[:8], EPS)
+    validation.check_gated_norm_inputs(x, gate, weight, EPS)
+    assert len(validation._checked_inputs) == 1
+
+
+def test_overlap_at_the_edges_of_two_spans():
+    s = torch.zeros(64)
+    # out's first element is x's last one: they share memory
+    assert validation.overlap(s[:32].view(1, 2, 2, 8), s[31:63].view(1, 2, 2, 8)) == "partial"
+    assert validation.overlap(s[:8], s[8:16]) == "none"  # adjacent, not overlapping
+
+
+def test_launch_overrides_up_to_their_maxima():
+    validation.check_launch_overrides("entry", (("bt", 2**16), ("warps", 32)), ())
+    for name, value in (("bt", 2**17), ("warps", 64)):
+        with pytest.raises(ValueError, match=f"entry: {name}"):
+            validation.check_launch_overrides("entry", ((name, value),), ())
+
+
 def test_row_count_limit_is_exact():
     validation.check_rows("entry", "rows", validation.MAX_ROWS)
     with pytest.raises(ValueError, match=f"entry: rows must be <= {validation.MAX_ROWS}"):

@@ -113,10 +113,25 @@ def test_gelu_gate_refused_naming_swiglu(monkeypatch):
         transformer_config_from_args(args)
 
 
+def test_yaml_config_is_refused(monkeypatch):
+    args = megatron_args(monkeypatch)
+    args.yaml_cfg = "model.yaml"
+    with pytest.raises(ValueError, match="--yaml-cfg: megatron then builds args from the YAML file"):
+        transformer_config_from_args(args)
+
+
+def test_flags_are_named_once_and_only_for_config_fields():
+    from core.training.arguments import _flags_named_in
+
+    assert _flags_named_in("layernorm_epsilon and again layernorm_epsilon") == ["--norm-epsilon"]
+    assert _flags_named_in("no field named here") == []
+
+
 def test_string_is_not_a_bool(monkeypatch):
     args = megatron_args(monkeypatch)
     args.fused_gated_norm = "false"
-    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\), got 'false'"):
+    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\), got "
+                                        r"'false' \[command line: --fused-gated-norm\]"):
         transformer_config_from_args(args)
     args.fused_gated_norm = False
     args.gdn_out_norm_zero_centered_gamma = 1

@@ -35,7 +35,11 @@ def test_without_a_makefile_the_prebuilt_module_is_imported(compile_helpers):
 
 
 def test_with_a_makefile_megatron_builds_as_before(compile_helpers, monkeypatch):
+    import os
+
     use_prebuilt_dataset_helpers()
-    monkeypatch.setattr("os.path.exists", lambda path: path.endswith("Makefile"))
+    makefile = os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")
+    asked = []
+    monkeypatch.setattr("os.path.exists", lambda path: asked.append(path) or path == makefile)
     dataset_utils.compile_helpers()
-    assert compile_helpers == ["make"]
+    assert compile_helpers == ["make"] and asked == [makefile]  # megatron's own Makefile

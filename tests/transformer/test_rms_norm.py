@@ -51,6 +51,23 @@ def test_init_zero_centered_from_config_and_sp_tag():
     assert torch.equal(plain.weight, torch.ones(8, dtype=torch.bfloat16))
 
 
+def test_default_eps_and_weight_device(monkeypatch):
+    """eps defaults to megatron's 1e-5; without use_cpu_initialization the weight is made on
+    the current CUDA device (a stand-in device here)."""
+    assert RMSNorm(gdn_config(), hidden_size=8).eps == 1e-5
+    config = gdn_config()
+    config.use_cpu_initialization = False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    assert RMSNorm(config, hidden_size=8).weight.device.type == "meta"
+
+
+def test_local_norm_takes_the_builders_zero_centring():
+    for zero_centered in (True, False):
+        norm = LocalNorm(config=gdn_config(layernorm_zero_centered_gamma=not zero_centered),
+                         hidden_size=8, eps=1e-5, zero_centered_gamma=zero_centered)
+        assert norm.zero_centered_gamma is zero_centered
+
+
 def test_local_norm_dispatch():
     assert isinstance(LocalNorm(config=gdn_config(), hidden_size=8, eps=1e-5), RMSNorm)
     ln = LocalNorm(config=gdn_config(normalization="LayerNorm"), hidden_size=8, eps=1e-5)

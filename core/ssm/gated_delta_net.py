@@ -344,7 +344,8 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             )
         # Local value heads seen by the norm: TP splits heads, CP's all-to-all splits them again.
         self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
-        self.out_norm_grad_scales = self._complete_out_norm_tp_reduction()
+        self.out_norm_grad_scales, self._out_norm_summed_by_sp_tag = (
+            self._complete_out_norm_tp_reduction())
 
     @property
     def out_norm_weight_grad_scale(self) -> float:
@@ -380,24 +381,24 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             checkpoint.fp8 = False
         self.__dict__["_norm_out_checkpoint"] = checkpoint
 
-    def _complete_out_norm_tp_reduction(self) -> dict:
+    def _complete_out_norm_tp_reduction(self) -> tuple[dict, set]:
         """Each TP rank's gradient of an out_norm parameter (weight; bias, for a LayerNorm) is a
         partial sum over its heads. Per parameter: when megatron's finalize_model_grads leaves
         it unreduced, tag it for finalize's AVG over TP; its factor is then ``tp_size``, applied
         by the backward, so that AVG = SUM of the partials. 1.0 (nothing done) at TP 1 and where
-        megatron reduces it itself. Returns ``{name: factor}`` for out_norm's own parameters."""
+        megatron reduces it itself. Returns ``{name: factor}`` for out_norm's own parameters, and
+        the names of those megatron sums for their ``sequence_parallel`` tag (which must stay)."""
         params = dict(self.out_norm.named_parameters(recurse=False))
-        self.__dict__["_out_norm_summed_by_sp_tag"] = set()
         if self.tp_size == 1:
-            return {name: 1.0 for name in params}
-        scales = {}
+            return {name: 1.0 for name in params}, set()
+        scales, summed_by_sp_tag = {}, set()
         for name, param in params.items():
             reduction = megatron_tp_grad_reduction(param, self.config, self.pg_collection.tp,
                                                    f"out_norm.{name}")
             if reduction == "sum":  # megatron adds the partials itself (sequence parallelism on)
                 scales[name] = 1.0
                 if self.config.sequence_parallel and getattr(param, "sequence_parallel", False):
-                    self._out_norm_summed_by_sp_tag.add(name)  # by that tag: it must stay
+                    summed_by_sp_tag.add(name)
                 continue
             if reduction is None:
                 setattr(param, TP_AVG_TAG, True)
@@ -408,7 +409,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
                     "reduction can be completed to the sum of the per-rank partials"
                 )
             scales[name] = float(self.tp_size)
-        return scales
+        return scales, summed_by_sp_tag
 
     def _check_out_norm_tp_tag(self) -> None:
         """Each out_norm parameter still carries what has its TP gradient made whole: the tag

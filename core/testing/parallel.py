@@ -586,20 +586,20 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
             grads = shard_for_rank(reference_grads, chunk, config, coords["tp"], layout.tp, offsets,
                                    coords["etp"], layout.etp)
             expected.update({chunk_names[n]: grads[n].float() for n in chunk_names})
+    # (global name, parameter) of every chunk as built, before any wrapper
+    built = [(chunk_names[n], p) for chunk, chunk_names in zip(chunks, names)
+             for n, p in chunk.named_parameters()]
     record = dict(
         coords=coords, fused=fused,
-        shards={chunk_names[n]: shard_coordinate(layout, coords, p)
-                for chunk, chunk_names in zip(chunks, names) for n, p in chunk.named_parameters()},
-        experts={chunk_names[n] for chunk, chunk_names in zip(chunks, names)
-                 for n, p in chunk.named_parameters() if is_expert(p)},
+        shards={name: shard_coordinate(layout, coords, p) for name, p in built},
+        experts={name for name, p in built if is_expert(p)},
         fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for chunk in chunks
                        for m in chunk.modules() if hasattr(m, "out_norm")],
         recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
                            if hasattr(m, "recompute_norm_out")],
         # the parameters finalize_model_grads AVG-reduces over TP (the GDN output norms' where
         # megatron leaves their partial gradients)
-        tp_avg_tagged={chunk_names[n] for chunk, chunk_names in zip(chunks, names)
-                       for n, p in chunk.named_parameters()
+        tp_avg_tagged={name for name, p in built
                        if getattr(p, "average_gradients_across_tp_domain", False)},
     )
     if reference_grads is not None:

@@ -244,7 +244,9 @@ def test_module_completes_each_reduction_to_the_sum(tags, sequence_parallel, sca
     config = gdn_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
     rank = SimpleNamespace(out_norm=norm, tp_size=2, config=config,
                            pg_collection=SimpleNamespace(tp=_TPGroupOfTwo()))
-    assert GatedDeltaNet._complete_out_norm_tp_reduction(rank) == {name: scale for name in names}
+    scales, summed_by_sp_tag = GatedDeltaNet._complete_out_norm_tp_reduction(rank)
+    assert scales == {name: scale for name in names}
+    assert summed_by_sp_tag == (set(names) if sequence_parallel else set())
     for param in norm.parameters():
         assert getattr(param, TP_AVG_TAG, False) is (scale != 1.0)
 

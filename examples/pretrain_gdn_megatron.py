@@ -34,7 +34,7 @@ output), for examples/run_megatron_pairs.py.
 Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cpu``'s shims
 (``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
 ``--use-cpu-initialization``, which it asks for before training: the flags of
-examples/run_megatron_pairs.py's CPU runs); docs/integration.md lists where megatron's loop
+examples/run_megatron_pairs.py's CPU runs); docs/internals.md lists where megatron's loop
 needs the shims.
 """
 

@@ -25,7 +25,6 @@ import triton.language as tl  # noqa: E402
 from tools.bench_common import (bench, bytes_moved, copy_ceiling, environment,  # noqa: E402
                                 pct_of_ceiling, require_cuda)
 
-# The module, not the function of the same name that core.fusions re-exports.
 import core.fusions.fused_gated_norm as _fgn  # noqa: E402
 
 
@@ -34,13 +33,13 @@ def _block(x, gate, w, out, rstd, block, ROWS, D: tl.constexpr, EPS, BT: tl.cons
            cols, col_mask, OFFSET32: tl.constexpr, EVICT_FIRST: tl.constexpr,
            STREAM_STORE: tl.constexpr):
     if OFFSET32:  # one 64-bit base per block, 32-bit offsets inside it
-        base = block.to(tl.int64) * BT * D
+        base = tl.cast(block, tl.int64) * BT * D
         local = tl.arange(0, BT)
         rows = block * BT + local
         offs = (local * D)[:, None] + cols[None, :]
         x, gate, out = x + base, gate + base, out + base
     else:
-        rows = block.to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+        rows = tl.cast(block, tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
         offs = (rows * D)[:, None] + cols[None, :]
     row_mask = rows < ROWS
     mask = row_mask[:, None] & col_mask[None, :]
@@ -50,13 +49,15 @@ def _block(x, gate, w, out, rstd, block, ROWS, D: tl.constexpr, EPS, BT: tl.cons
     else:
         xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    act = gv / (1.0 + tl.exp(-gv))
+    # the shipped kernel's arithmetic (its activation and roundings)
+    act = _fgn._activation(gv, "silu")
     r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
-    y = (xv * r[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32) * act
+    y = _fgn._round_to(xv * r[:, None] * w[None, :], tl.bfloat16) * act
+    y = _fgn._round_to(y, tl.bfloat16).to(tl.bfloat16)
     if STREAM_STORE:
-        tl.store(out + offs, y.to(tl.bfloat16), mask=mask, cache_modifier=".cs")
+        tl.store(out + offs, y, mask=mask, cache_modifier=".cs")
     else:
-        tl.store(out + offs, y.to(tl.bfloat16), mask=mask)
+        tl.store(out + offs, y, mask=mask)
     tl.store(rstd + rows, r, mask=row_mask)
 
 
@@ -65,17 +66,42 @@ def contiguous_fwd(x, gate, weight, out, rstd, ROWS, D: tl.constexpr, EPS,
                    BT: tl.constexpr, BLOCK_D: tl.constexpr, LOOP: tl.constexpr,
                    OFFSET32: tl.constexpr, EVICT_FIRST: tl.constexpr, STREAM_STORE: tl.constexpr):
     """The training forward (silu, bf16 norm rounding) on contiguous [ROWS, D] tensors.
-    LOOP: grid-stride loop (as gated_norm_fwd) instead of exactly one block per program."""
+    LOOP: a grid-stride loop over blocks instead of exactly one block per program."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
     w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
     if LOOP:
-        for block in range(tl.program_id(0), tl.cdiv(ROWS, BT), tl.num_programs(0)):
+        for block in tl.range(tl.program_id(0), tl.cdiv(ROWS, BT), tl.num_programs(0)):
             _block(x, gate, w, out, rstd, block, ROWS, D, EPS, BT, cols, col_mask, OFFSET32,
                    EVICT_FIRST, STREAM_STORE)
     else:
         _block(x, gate, w, out, rstd, tl.program_id(0), ROWS, D, EPS, BT, cols, col_mask,
                OFFSET32, EVICT_FIRST, STREAM_STORE)
+
+
+def variant_launches(x, gate, weight, out, rstd, eps, programs_cap=132 * 16):
+    """(name, launch) of every variant for contiguous [rows, D] views of ``x``, ``gate`` and
+    ``out`` (bf16): three blocks, each one block per program or a grid-stride loop over at most
+    ``programs_cap`` programs, and with one block per program each addressing and cache choice."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    block_d = triton.next_power_of_2(dim)
+    configs = [(max(1, 1024 // block_d), 2), (max(1, 2048 // block_d), 4),
+               (max(1, 4096 // block_d), 4)]
+    launches = []
+    for (bt, warps), loop, off32, evict, cs in itertools.product(
+            configs, (False, True), (False, True), (False, True), (False, True)):
+        if loop and (off32 or evict or cs):
+            continue  # the loop is timed once per config, against the plain one-block kernel
+        grid = triton.cdiv(rows, bt) if not loop else min(triton.cdiv(rows, bt), programs_cap)
+        name = (f"bt={bt} w={warps}" + (" loop" if loop else "") + (" off32" if off32 else "")
+                + (" evict_first" if evict else "") + (" .cs store" if cs else ""))
+
+        def launch(grid=grid, bt=bt, warps=warps, flags=(loop, off32, evict, cs)):
+            contiguous_fwd[(grid,)](x, gate, weight, out, rstd, rows, dim, eps, bt, block_d,
+                                    *flags, num_warps=warps)
+        launches.append((name, launch))
+    return launches
 
 
 def main():
@@ -102,22 +128,11 @@ def main():
         print(f"{rows:>8} x {dim}: {row['variant']:44s} {us:8.1f} us {row['pct']:5.1f} %")
         out = torch.empty_like(x)
         rstd = torch.empty(rows, device="cuda", dtype=torch.float32)
-        block_d = triton.next_power_of_2(dim)
-        configs = [(1024 // block_d, 2), (2048 // block_d, 4), (4096 // block_d, 4)]
-        for (bt, warps), loop, off32, evict, cs in itertools.product(
-                configs, (False, True), (False, True), (False, True), (False, True)):
-            if loop and (off32 or evict or cs):
-                continue  # the loop is timed once per config, against the plain one-block kernel
-            grid = triton.cdiv(rows, bt) if not loop else min(triton.cdiv(rows, bt), 132 * 16)
-            def launch():
-                contiguous_fwd[(grid,)](x, g, w, out, rstd, rows, dim, eps, bt, block_d,
-                                        loop, off32, evict, cs, num_warps=warps)
+        for name, launch in variant_launches(x, g, w, out, rstd, eps):
             launch()
             torch.cuda.synchronize()
             bitwise = (out == ref).float().mean().item()
             us = bench(launch, rep=200)
-            name = (f"bt={bt} w={warps}" + (" loop" if loop else "") + (" off32" if off32 else "")
-                    + (" evict_first" if evict else "") + (" .cs store" if cs else ""))
             row = {"rows": rows, "D": dim, "variant": name, "us": us,
                    "pct": pct_of_ceiling(nbytes, us, ceiling), "bitwise": bitwise}
             results.append(row)

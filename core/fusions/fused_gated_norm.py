@@ -29,7 +29,8 @@ from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdi
                                             next_power_of_2)
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
     FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool, check_option,
-    check_gated_norm_inputs, check_gated_norm_tensors, check_launch_overrides,
+    check_dependent_launch, check_gated_norm_inputs, check_gated_norm_tensors,
+    check_launch_overrides, check_launch_tile,
     check_out_apart, check_positive_number, check_rstd, current_device, keep_checked, lookup_checked,
     tensor_signature, validate_gated_norm)
 
@@ -491,6 +492,9 @@ def _forward_plan(x, gate, weight, out, eps, zero_centered, activation, bt, warp
         return device, plan
     _check_forward(x, gate, weight, out, eps, activation)  # a new signature
     rows, seq, heads, dim, cfg, bt = _geometry(x, forward_launch, bt)
+    check_launch_tile("forward_impl", "bt", bt, cfg.block_d, "a row padded to a power of two")
+    if pdl:
+        check_dependent_launch("forward_impl", "pdl", x.device)
     pdl = cfg.pdl if pdl is None else pdl
     x_dtype, w_dtype = x.dtype, weight.dtype
     # float(): the kernel takes eps as fp32; an int would specialise another variant (1, or
@@ -522,7 +526,13 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
     if INTERPRETER_LOOP_PROBLEM:
         raise RuntimeError(f"backward_impl: {INTERPRETER_LOOP_PROBLEM}")
     rows, seq, heads, dim, cfg, bt = _geometry(x, backward_launch, bt)
+    check_launch_tile("backward_impl", "bt", bt, cfg.block_d, "a row padded to a power of two")
+    if programs is not None:  # the dW sum loads all partials of its columns as one tile
+        check_launch_tile("backward_impl", "programs", programs, cfg.dw_sum_columns,
+                          "the dW sum's columns per program")
     if dw_sum_pdl is not None:
+        if dw_sum_pdl:
+            check_dependent_launch("backward_impl", "dw_sum_pdl", x.device)
         cfg = cfg._replace(dw_sum_pdl=dw_sum_pdl)
     programs = min(programs or cfg.max_programs, cdiv(rows, bt))
     x_strides, x_flat, x_dense = _layout(x, bt)

@@ -17,7 +17,8 @@ import torch
 MAX_HEAD_DIM = 8192
 # Row indices are int32 in the kernels (element offsets are int64); the margin keeps the
 # backward's loop bound, cdiv(rows, bt) computed in int32 as (rows + bt - 1) // bt, below 2**31
-# for blocks of up to 2**16 rows (gated_norm_validation.MAX_OVERRIDE).
+# for blocks of up to 2**16 rows, and its next block index, block + programs, for up to 2**16
+# programs (gated_norm_validation.MAX_OVERRIDE, MAX_PROGRAMS).
 MAX_ROWS = 2**31 - 2**16
 
 
@@ -58,13 +59,18 @@ def sm_count(device: torch.device) -> int:
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
+def supports_programmatic_dependent_launch(device: torch.device) -> bool:
+    """Whether ``device`` can take programmatic dependent launch: NVIDIA sm_90+ (griddepcontrol
+    is PTX: not for the interpreter, nor for ROCm, whose devices also report a capability)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 @functools.lru_cache(maxsize=None)
 def programmatic_dependent_launch(device: torch.device) -> bool:
-    """Whether ``device`` takes programmatic dependent launch (the forward launched early; the
-    forward and the dW sum letting the next kernel launch early): NVIDIA sm_90+ (griddepcontrol
-    is PTX: not for the interpreter, nor for ROCm, whose devices also report a capability)."""
-    return (PROGRAMMATIC_DEPENDENT_LAUNCH and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Whether the launch rules use programmatic dependent launch on ``device`` (the forward
+    launched early; the forward and the dW sum letting the next kernel launch early)."""
+    return PROGRAMMATIC_DEPENDENT_LAUNCH and supports_programmatic_dependent_launch(device)
 
 
 # Block shapes from H200 sweeps (bf16; the measurements: docs/design.md, Launch choices).

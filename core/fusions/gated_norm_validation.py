@@ -15,8 +15,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
+import triton.language as tl
 
-from core.fusions.gated_norm_launch import MAX_HEAD_DIM, MAX_ROWS
+from core.fusions.gated_norm_launch import (MAX_HEAD_DIM, MAX_ROWS,
+                                            supports_programmatic_dependent_launch)
 
 # Triton compiles for the GPU; on the CPU its interpreter runs the kernels (TRITON_INTERPRET=1,
 # read when triton is imported). Each takes its own device's tensors only (a meta tensor has no
@@ -35,7 +37,7 @@ def current_device() -> Optional[int]:
 
 
 # Checked signatures. A key holds everything a set of rules reads (each tensor's type, shape,
-# strides, dtype, device and negative bit, the current device, the options with their types
+# strides, dtype, device, negative bit and layout, the current device, the options with their types
 # where True == 1 would confuse a dict), so a key kept after the rules passed means they pass
 # for exactly these values. Building one fails for an argument that is not a tensor or has no
 # strides (sparse CSR), and where no CUDA device can be asked which one is current (no driver,
@@ -45,15 +47,9 @@ KEY_ERRORS = (AttributeError, TypeError, RuntimeError, AssertionError)
 
 def tensor_signature(t: torch.Tensor) -> tuple:
     """What the rules read of one tensor, as part of a checked signature: its type, shape,
-    strides, dtype, device and negative bit."""
-    return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg()
-
-
-if INTERPRETED:
-    def tensor_signature(t: torch.Tensor) -> tuple:  # noqa: F811
-        """The layout too: an mkldnn tensor (CPU only, so only under the interpreter) reports a
-        dense tensor's strides. On a GPU no other layout gives strides that pass the rules."""
-        return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.layout
+    strides, dtype, device, negative bit and layout (an mkldnn tensor reports a dense tensor's
+    strides)."""
+    return type(t), t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.layout
 
 
 def keep_checked(table: dict, key: Optional[tuple], value, bound: int):
@@ -104,7 +100,7 @@ def check_gated_norm_inputs(x, gate, weight, eps, names: ArgNames = KERNEL_ARGS)
     argument (as ``names`` spells it) and the rule; nothing is launched.
 
     Runs on every call. The rules read only host metadata, so inputs whose metadata equals that
-    of inputs that passed (each tensor's type, shape, strides, dtype, device and negative bit,
+    of inputs that passed (each tensor's type, shape, strides, dtype, device, negative bit and layout,
     the current device, eps and its type) pass again after one lookup instead of every rule
     (docs/design.md, Host cost). Anything else, and every call that torch.compile traces, goes
     through the rules."""
@@ -294,23 +290,56 @@ def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
 # A program's rows (the backward's int32 loop bound takes blocks of up to 2**16 rows: MAX_ROWS)
 # and warps (a CUDA block holds at most 1024 threads; more would fail inside the driver).
 MAX_OVERRIDE = {"bt": 2**16, "warps": 32}
+# The backward's persistent programs: its int32 block index (block + programs) stays below 2**31
+# for rows <= MAX_ROWS.
+MAX_PROGRAMS = 2**16
+# Elements of one Triton tile: a bigger block fails inside Triton's compiler.
+MAX_TILE_ELEMENTS = tl.TRITON_MAX_TENSOR_NUMEL
 
 
 def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
     """Launch-parameter overrides of the ``*_impl`` wrappers: each ``(name, value)`` of
     ``counts`` None or a positive int (``bt`` and ``warps`` also a power of two: a block and
-    a warp count, at most MAX_OVERRIDE), each of ``switches`` None or a bool."""
+    a warp count, at most MAX_OVERRIDE; ``programs`` at most MAX_PROGRAMS), each of
+    ``switches`` None or a bool. What also depends on the head dim or the device is checked
+    with the launch parameters (check_launch_tile, check_dependent_launch)."""
     for name, value in counts:
         if value is None:
             continue
         if type(value) is not int:
             raise TypeError(f"{entry}: {name} must be None or an int, got {type(value).__name__}")
-        if value < 1 or (name in MAX_OVERRIDE and (value & (value - 1) or value > MAX_OVERRIDE[name])):
-            rule = (f"a power of two <= {MAX_OVERRIDE[name]}" if name in MAX_OVERRIDE else ">= 1")
+        if name in MAX_OVERRIDE:
+            broken = value < 1 or value & (value - 1) or value > MAX_OVERRIDE[name]
+            rule = f"a power of two <= {MAX_OVERRIDE[name]}"
+        elif name == "programs":
+            broken = not 1 <= value <= MAX_PROGRAMS
+            rule = f"between 1 and {MAX_PROGRAMS}"
+        else:
+            broken, rule = value < 1, ">= 1"
+        if broken:
             raise ValueError(f"{entry}: {name} must be {rule}, got {value}")
     for name, value in switches:
         if value is not None:
             check_bool(entry, name, value)
+
+
+def check_launch_tile(entry: str, name: str, value: int, elements_each: int, what: str) -> None:
+    """``value`` (a block override) times ``elements_each`` (``what``) elements fits one Triton
+    tile (ValueError)."""
+    if value * elements_each > MAX_TILE_ELEMENTS:
+        raise ValueError(
+            f"{entry}: {name} must be <= {MAX_TILE_ELEMENTS // elements_each} here: {name} x "
+            f"{elements_each} ({what}) elements make one Triton tile, at most "
+            f"{MAX_TILE_ELEMENTS}; got {value}")
+
+
+def check_dependent_launch(entry: str, name: str, device: torch.device) -> None:
+    """``name=True`` asks for programmatic dependent launch, which only NVIDIA GPUs of compute
+    capability 9.0 or newer take (ValueError elsewhere, the interpreter included)."""
+    if not supports_programmatic_dependent_launch(device):
+        raise ValueError(
+            f"{entry}: {name}=True needs programmatic dependent launch (an NVIDIA GPU of compute "
+            f"capability 9.0 or newer), which {device} does not have")
 
 
 def check_last_dim_stride(entry: str, named: tuple) -> list:
@@ -446,21 +475,32 @@ def check_out_apart(entry: str, out: torch.Tensor, inputs: tuple, weight: torch.
     ``inputs`` itself (computed in place: a program reads its rows before it writes them) or
     does not overlap it; it never overlaps the weight, which every program reads (ValueError)."""
     check_rows_apart(entry, "out", out)
+    if out.numel() == 0:
+        return
+    # Byte spans first (cheap); the exact test only where they meet.
+    out_lo, out_hi = byte_span(out)
     for name, t in inputs:
-        if t is not out and overlap(out, t) == "partial":
+        if t is out or t.numel() == 0:
+            continue
+        lo, hi = byte_span(t)
+        if lo < out_hi and out_lo < hi and overlap(out, t) == "partial":
             raise ValueError(
                 f"{entry}: out must either be {name} itself (same data_ptr, shape and strides) "
                 f"or not overlap it; it partially overlaps {name}"
             )
-    if overlap(out, weight) != "none":
-        raise ValueError(f"{entry}: out must not overlap weight (every program reads weight)")
+    if weight.numel():
+        lo, hi = byte_span(weight)
+        if lo < out_hi and out_lo < hi and overlap(out, weight) != "none":
+            raise ValueError(f"{entry}: out must not overlap weight (every program reads weight)")
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) byte addresses of t's elements (t non-empty, non-negative strides)."""
     start = t.data_ptr()
-    last = sum([(n - 1) * s for n, s in zip(t.shape, t.stride())])
-    return start, start + (last + 1) * t.element_size()
+    last = 1
+    for n, s in zip(t.shape, t.stride()):
+        last += (n - 1) * s
+    return start, start + last * t.element_size()
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -18,7 +18,7 @@ The gate is read in place as a strided slice of the in_proj output, skipping meg
 Both paths (flag on and off) also get:
   * ``config.gdn_out_norm_zero_centered_gamma`` honoured by the output norm;
   * the tensor-parallel gradients of the output norm's parameters (its weight, and the bias of
-    a LayerNorm on the unfused path) made whole (docs/integration.md, section 5): each TP
+    a LayerNorm on the unfused path) made whole (docs/tensor_parallel.md): each TP
     rank's gradient covers only its heads. Where megatron's stock ``finalize_model_grads`` would
     leave that partial unreduced (sequence parallelism off), the backward multiplies the
     parameter's gradient by ``tp_size`` inside the autograd graph and the parameter is tagged
@@ -425,16 +425,27 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             elif name in self._out_norm_summed_by_sp_tag:
                 self._check_tp_tag(name, "sequence_parallel")
 
+    def _carry_out_norm_tp_tags_to_megatron_fsdp(self) -> None:
+        """Megatron-FSDP's distributed copy of each scaled out_norm parameter carries the tag of
+        finalize's AVG as the parameter does (carry_tag_to_megatron_fsdp_param); a search only
+        when the copy changed. Where a gradient can flow, as _check_out_norm_tp_tag."""
+        if not torch.is_grad_enabled():
+            return
+        for name, scale in self.out_norm_grad_scales.items():
+            param = self.out_norm._parameters.get(name)
+            if (scale == 1.0 or not isinstance(param, torch.nn.Parameter)
+                    or getattr(param, "_megatron_fsdp_model", None) is None):
+                continue
+            fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
+            if not fsdp_copy_tagged(param, TP_AVG_TAG, fsdp_indices.get(name)):
+                fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
+
     def _check_tp_tag(self, name: str, tag: str) -> None:
         """out_norm's parameter ``name`` still carries ``tag`` where finalize_model_grads reads
         it (RuntimeError otherwise); a parameter that takes no gradient needs none."""
         param = self.out_norm._parameters.get(name)  # none: the norm's own checks refuse it
         if not isinstance(param, torch.nn.Parameter) or not param.requires_grad:
             return
-        if tag == TP_AVG_TAG and getattr(param, "_megatron_fsdp_model", None) is not None:
-            fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
-            if not fsdp_copy_tagged(param, TP_AVG_TAG, fsdp_indices.get(name)):
-                fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
         if getattr(param, tag, False):
             return
         # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
@@ -476,6 +487,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         return (query, key, value, gate, *feats)
 
     def _apply_gated_norm(self, x, gate):
+        self._carry_out_norm_tp_tags_to_megatron_fsdp()
         self._check_out_norm_tp_tag()
         if not self.fused_gated_norm:
             scales = {name: scale for name, scale in self.out_norm_grad_scales.items()

@@ -624,6 +624,8 @@ def _impl_calls():
     bwd(x, gate, weight, rstd, x)
     bwd(x, gate, weight, rstd, x, weight_grad_scale=1)
     bwd(x, gate, weight, rstd, x, programs=1)
+    fwd(x, gate, weight, EPS, bt=2**14, pdl=False)  # the largest tiles of rows of 64
+    bwd(x, gate, weight, rstd, x, bt=2**14, programs=2**14, dw_sum_pdl=False)
     # x and an out that shares half of its bytes, after a good out of the same signature
     storage = torch.cat([x.flatten(), x.flatten()])
     x_in, shifted_out = storage[:x.numel()].view(x.shape), storage[128:128 + x.numel()].view(x.shape)
@@ -711,7 +713,24 @@ def _impl_calls():
         "rstd_strided": (lambda: bwd(x, gate, weight, rstd.transpose(1, 2).contiguous().transpose(1, 2),
                                      x), ValueError, "backward_impl: rstd must be a contiguous"),
         "programs": (lambda: bwd(x, gate, weight, rstd, x, programs=0), ValueError,
-                     "backward_impl: programs must be >= 1, got 0"),
+                     "backward_impl: programs must be between 1 and 65536, got 0"),
+        # past 2**16 programs the backward's int32 block index could pass 2**31
+        "programs_2_16_plus_1": (lambda: bwd(x, gate, weight, rstd, x, programs=2**16 + 1),
+                                 ValueError, "backward_impl: programs must be between 1 and 65536"),
+        # Triton's largest tile (2**20 elements): rows of 64 (the interpreter's dW sum takes
+        # all 64 columns in one program)
+        "bt_tile": (lambda: fwd(x, gate, weight, EPS, bt=2**15), ValueError,
+                    r"forward_impl: bt must be <= 16384 here: bt x 64 \(a row padded"),
+        "bwd_bt_tile": (lambda: bwd(x, gate, weight, rstd, x, bt=2**15), ValueError,
+                        r"backward_impl: bt must be <= 16384 here"),
+        "programs_tile": (lambda: bwd(x, gate, weight, rstd, x, programs=2**14 + 1), ValueError,
+                          r"backward_impl: programs must be <= 16384 here: programs x 64 \(the dW "
+                          r"sum's columns per program\)"),
+        # griddepcontrol is sm_90+ PTX: neither the interpreter nor an older GPU takes it
+        "pdl_true": (lambda: fwd(x, gate, weight, EPS, pdl=True), ValueError,
+                     "forward_impl: pdl=True needs programmatic dependent launch"),
+        "dw_sum_pdl_true": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=True), ValueError,
+                            "backward_impl: dw_sum_pdl=True needs programmatic dependent launch"),
         "dw_sum_pdl": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=1), TypeError,
                        "backward_impl: dw_sum_pdl must be a bool"),
     }

@@ -105,9 +105,13 @@ def test_empty_input_does_not_launch(monkeypatch):
 
 def test_no_grad_with_requires_grad_inputs_and_grad_mode_rejected():
     x, z, weight, out = make(TOKENS, HEADS, DIM, torch.float32, "contiguous")
-    weight.requires_grad_()
-    with pytest.raises(ValueError, match="no autograd"):
-        fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
+    for name, t in (("x", x), ("z", z), ("out", out), ("weight", weight)):
+        t.requires_grad_()
+        with pytest.raises(ValueError, match=f"fused_gdn_gated_rms_norm: {name} requires grad with "
+                                             "grad mode enabled, and this entry has no autograd"):
+            fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
+        if name != "weight":
+            t.requires_grad_(False)
     with torch.no_grad():
         ref = run(x, z, weight, out, HEADS, DIM)
     assert_bitwise_or_within_ulps(out, ref)

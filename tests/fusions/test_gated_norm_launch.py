@@ -76,9 +76,10 @@ def test_programmatic_dependent_launch_needs_hopper(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert not launch.programmatic_dependent_launch(torch.device("cuda", 10))
     monkeypatch.setattr(torch.version, "hip", None)
+    assert not launch.programmatic_dependent_launch(torch.device("cpu"))
     monkeypatch.setattr(launch, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
     assert not launch.programmatic_dependent_launch(torch.device("cuda", 9))
-    assert not launch.programmatic_dependent_launch(torch.device("cpu"))
+    assert launch.supports_programmatic_dependent_launch(torch.device("cuda", 9))
     launch.programmatic_dependent_launch.cache_clear()
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 
 import core.fusions.gated_norm_validation as validation
 from tests.gated_norm_inputs import EPS, make_inputs, packed_projection_gate, sbhd_view
@@ -226,10 +227,26 @@ def test_overlap_at_the_edges_of_two_spans():
 
 
 def test_launch_overrides_up_to_their_maxima():
-    validation.check_launch_overrides("entry", (("bt", 2**16), ("warps", 32)), ())
-    for name, value in (("bt", 2**17), ("warps", 64)):
+    validation.check_launch_overrides("entry", (("bt", 2**16), ("warps", 32), ("programs", 2**16)),
+                                      ())
+    for name, value in (("bt", 2**17), ("warps", 64), ("programs", 2**16 + 1)):
         with pytest.raises(ValueError, match=f"entry: {name}"):
             validation.check_launch_overrides("entry", ((name, value),), ())
+
+
+def test_launch_tile_up_to_tritons_limit():
+    limit = tl.TRITON_MAX_TENSOR_NUMEL
+    validation.check_launch_tile("entry", "bt", limit // 128, 128, "a row")
+    with pytest.raises(ValueError, match=f"entry: bt must be <= {limit // 128} here"):
+        validation.check_launch_tile("entry", "bt", limit // 128 + 1, 128, "a row")
+
+
+def test_dependent_launch_needs_hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    validation.check_dependent_launch("entry", "pdl", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 9))
+    with pytest.raises(ValueError, match="entry: pdl=True needs programmatic dependent launch"):
+        validation.check_dependent_launch("entry", "pdl", torch.device("cuda", 0))
 
 
 def test_row_count_limit_is_exact():

@@ -71,6 +71,7 @@ MOE_SIZES = dict(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                  moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
 VOCAB = 64
 LR = 1e-2
+OVERLAP_BUCKET_SIZE = 64  # elements: with overlap_grad_reduce, about one bucket per parameter
 # max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
 FP32_TOLERANCE = 1e-5
 # The GDN decay parameters' gradients are sums over tokens with heavy cancellation: at TP 1, a
@@ -101,6 +102,9 @@ class Layout:
     distributed_optimizer: bool = False
     fsdp: bool = False                   # Megatron-FSDP (CUDA only)
     recompute: bool = False              # selective recompute of 'gdn_norm_out'
+    full_recompute: bool = False         # megatron's full layer recompute (GPT models, uniform)
+    micro_batches: int = 1               # the GDN module's batch in that many micro-batches
+    overlap_grad_reduce: bool = False    # DDP's bucketed grad reduce overlapping the backward
     model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm") or a GPTModel
                                          # ("gpt", "gpt-moe")
     ep: int = 1                          # expert parallelism ("gpt-moe")
@@ -126,6 +130,13 @@ class Layout:
             raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(f"Layout {self.name}: sequence_parallel needs tp > 1")
+        if self.micro_batches > 1 and (not self.single_gdn or self.packed
+                                       or (BATCH // self.dp) % self.micro_batches):
+            raise ValueError(f"Layout {self.name}: micro_batches > 1 needs the GDN module's "
+                             f"sbhd batch ({BATCH} // dp samples) to split into them")
+        if self.full_recompute and (self.single_gdn or self.recompute):
+            raise ValueError(f"Layout {self.name}: full_recompute needs a GPT model and no "
+                             "selective recompute")
 
     @property
     def world_size(self) -> int:
@@ -226,6 +237,9 @@ def layout_config(layout: Layout, fused: bool):
     extra = {}
     if layout.recompute:
         extra.update(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
+    if layout.full_recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)
     if layout.model == "gdn-layernorm":
         extra.update(normalization="LayerNorm")
     if not layout.single_gdn:
@@ -451,8 +465,10 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     if layout.sequence_parallel:
         hidden = hidden.chunk(layout.tp, dim=0)[coords["tp"]]
         weight = weight.chunk(layout.tp, dim=0)[coords["tp"]]
-    return [dict(hidden=hidden.contiguous().to(device), loss_weight=weight.contiguous().to(device),
-                 packed_seq_params=packed)]
+    return [dict(hidden=h.contiguous().to(device), loss_weight=w.contiguous().to(device),
+                 packed_seq_params=packed)
+            for h, w in zip(hidden.chunk(layout.micro_batches, dim=1),
+                            weight.chunk(layout.micro_batches, dim=1))]
 
 
 def _weighted_sum_loss(weight, output):
@@ -504,8 +520,12 @@ def _wrap(layout: Layout, config, model):
         wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                            fsdp_unit_modules=[type(model)])
         return wrapped, wrapped.module.module
+    # overlap_grad_reduce: buckets of a few dozen elements, so the GDN module's parameters are
+    # reduced in several buckets, each as soon as its gradients are ready
     ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=False, use_distributed_optimizer=layout.distributed_optimizer)
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+        bucket_size=OVERLAP_BUCKET_SIZE if layout.overlap_grad_reduce else None,
+        use_distributed_optimizer=layout.distributed_optimizer)
     wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return wrapped, wrapped.module
 
@@ -603,10 +623,11 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                        if getattr(p, "average_gradients_across_tp_domain", False)},
     )
     if reference_grads is not None:
-        # DDP averages over DP x CP and the schedule multiplies the loss by CP: the GDN module's
-        # one micro-batch split over DP gives the full gradient / DP. The GPT models' micro-batches
-        # are split over DP, and the schedule averages the loss over them: the full gradient.
-        share = layout.dp if layout.single_gdn else 1
+        # DDP averages over DP x CP and the schedule multiplies the loss by CP and divides it by
+        # the number of micro-batches: the GDN module's batch split over DP and micro-batches
+        # gives the full gradient / (DP x micro-batches). The GPT models' micro-batches are split
+        # over DP, and the schedule averages the loss over them: the full gradient.
+        share = layout.dp * layout.micro_batches if layout.single_gdn else 1
         record["expected"] = {name: grad / share for name, grad in expected.items()}
         record["expected_scale"] = {
             name: float(reference_grads[name].abs().max()) / share for name in expected}
@@ -619,6 +640,11 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                             use_distributed_optimizer=layout.distributed_optimizer or layout.fsdp),
             list(wrapped))
     config.finalize_model_grads_func = finalize_model_grads  # as megatron's training loop
+    if layout.overlap_grad_reduce:  # megatron.training's setup: reduce after the last micro-batch
+        config.no_sync_func = [chunk.no_sync for chunk in wrapped]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
+        if len(wrapped) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     batches = local_batches(layout, reference["data"], coords, device)
     for chunk in wrapped:
         chunk.zero_grad_buffer()
@@ -627,7 +653,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         # the interleaved schedule reads each chunk's micro-batches from its own iterator
         data_iterator=[iter(batches) for _ in chunks] if layout.vp > 1 else iter(batches),
         model=list(wrapped), num_microbatches=len(batches), seq_length=SEQ,
-        micro_batch_size=BATCH // layout.dp if layout.single_gdn else 1, forward_only=False)
+        micro_batch_size=BATCH // layout.dp // layout.micro_batches if layout.single_gdn else 1,
+        forward_only=False)
 
     def each_parameter():  # (global name, parameter, local shape) of every chunk
         for module, chunk_names, shapes in zip(inner, names, local_shapes):

@@ -48,6 +48,11 @@ WORLDS = {
         Layout("moe-dp2-ep2", dp=2, ep=2, model="gpt-moe"),  # experts over the DP ranks
         # a LayerNorm output norm (flag off): its bias gradient is a per-rank partial too
         Layout("layernorm-tp2", tp=2, model="gdn-layernorm"),
+        # SP off, so the module scales the partial dW: accumulated over two micro-batches,
+        # reduced in buckets as the backward runs, and recomputed
+        Layout("tp2-mb2-overlap-recompute", tp=2, micro_batches=2, overlap_grad_reduce=True,
+               recompute=True),
+        Layout("gpt-tp2-full-recompute", tp=2, full_recompute=True, model="gpt"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -71,6 +76,12 @@ WORLDS = {
                recompute=True, model="gpt"),
         Layout("layernorm-tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True,
                model="gdn-layernorm"),
+        # SP off (the module scales the partial dW) with CP, with bucketed overlapping reduces
+        # and the distributed optimizer, and in pipeline stages with virtual stages
+        Layout("tp2-cp2", tp=2, cp=2),
+        Layout("tp2-dp2-overlap-distopt", tp=2, dp=2, overlap_grad_reduce=True,
+               distributed_optimizer=True),
+        Layout("pp2-vp2-tp2-recompute", pp=2, vp=2, tp=2, recompute=True, model="gpt"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -143,9 +154,13 @@ def _records(worlds, layout: Layout, fused: bool) -> list:
 def test_every_gradient_matches_reference(worlds, layout, fused):
     records = _records(worlds, layout, fused)
     # the case ran the path it names: the fused kernel or not, recompute or not, on every rank
+    scaled = layout.tp > 1 and not layout.sequence_parallel  # the module completes the partial
     for record in records:
         assert record["fused_modules"] and set(record["fused_modules"]) == {fused}
         assert set(record["recompute_modules"]) == {layout.recompute}
+        out_norms = {name for name in record["grads"] if name.endswith("out_norm.weight")}
+        assert out_norms and (out_norms <= record["tp_avg_tagged"]) == scaled
+        assert scaled or not out_norms & record["tp_avg_tagged"]
     if layout.distributed_optimizer:
         assert all("owned" in record for record in records)
     assert grad_mismatches(records) == []

@@ -624,15 +624,34 @@ def _impl_calls():
     bwd(x, gate, weight, rstd, x)
     bwd(x, gate, weight, rstd, x, weight_grad_scale=1)
     bwd(x, gate, weight, rstd, x, programs=1)
-    fwd(x, gate, weight, EPS, bt=2**14, pdl=False)  # the largest tiles of rows of 64
-    bwd(x, gate, weight, rstd, x, bt=2**14, programs=2**14, dw_sum_pdl=False)
+    if validation.INTERPRETED:  # the largest tiles of rows of 64 (compiled: far past the registers)
+        fwd(x, gate, weight, EPS, bt=2**14, pdl=False)
+        bwd(x, gate, weight, rstd, x, bt=2**14, programs=2**14, dw_sum_pdl=False)
     # x and an out that shares half of its bytes, after a good out of the same signature
     storage = torch.cat([x.flatten(), x.flatten()])
     x_in, shifted_out = storage[:x.numel()].view(x.shape), storage[128:128 + x.numel()].view(x.shape)
     fwd(x_in, gate, weight, EPS, out=torch.empty_like(x))
     weight_in_out = torch.empty_like(x)
     meta = {name: t.to("meta") for name, t in (("x", x), ("weight", weight), ("rstd", rstd))}
-    return {
+    # The dW sum loads all partials of its columns as one tile: where it takes many columns per
+    # program (the interpreter: all 64), that bounds the programs below MAX_PROGRAMS.
+    most_programs = validation.MAX_TILE_ELEMENTS // launch_rules.backward_launch(
+        64, x.device).dw_sum_columns
+    device_dependent = {}
+    if most_programs < validation.MAX_PROGRAMS:
+        device_dependent["programs_tile"] = (
+            lambda: bwd(x, gate, weight, rstd, x, programs=most_programs + 1), ValueError,
+            rf"backward_impl: programs must be <= {most_programs} here: programs x "
+            r"\d+ \(the dW sum's columns per program\)")
+    # griddepcontrol is sm_90+ PTX: neither the interpreter nor an older GPU takes it
+    if not launch_rules.supports_programmatic_dependent_launch(x.device):
+        device_dependent["pdl_true"] = (
+            lambda: fwd(x, gate, weight, EPS, pdl=True), ValueError,
+            "forward_impl: pdl=True needs programmatic dependent launch")
+        device_dependent["dw_sum_pdl_true"] = (
+            lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=True), ValueError,
+            "backward_impl: dw_sum_pdl=True needs programmatic dependent launch")
+    return device_dependent | {
         "out_partly_x": (lambda: fwd(x_in, gate, weight, EPS, out=shifted_out), ValueError,
                          "forward_impl: out must either be x itself .* partially overlaps x"),
         "out_partly_gate": (lambda: fwd(x, x_in, weight, EPS, out=shifted_out), ValueError,
@@ -717,20 +736,11 @@ def _impl_calls():
         # past 2**16 programs the backward's int32 block index could pass 2**31
         "programs_2_16_plus_1": (lambda: bwd(x, gate, weight, rstd, x, programs=2**16 + 1),
                                  ValueError, "backward_impl: programs must be between 1 and 65536"),
-        # Triton's largest tile (2**20 elements): rows of 64 (the interpreter's dW sum takes
-        # all 64 columns in one program)
+        # Triton's largest tile (2**20 elements) holds 16384 rows of 64
         "bt_tile": (lambda: fwd(x, gate, weight, EPS, bt=2**15), ValueError,
                     r"forward_impl: bt must be <= 16384 here: bt x 64 \(a row padded"),
         "bwd_bt_tile": (lambda: bwd(x, gate, weight, rstd, x, bt=2**15), ValueError,
                         r"backward_impl: bt must be <= 16384 here"),
-        "programs_tile": (lambda: bwd(x, gate, weight, rstd, x, programs=2**14 + 1), ValueError,
-                          r"backward_impl: programs must be <= 16384 here: programs x 64 \(the dW "
-                          r"sum's columns per program\)"),
-        # griddepcontrol is sm_90+ PTX: neither the interpreter nor an older GPU takes it
-        "pdl_true": (lambda: fwd(x, gate, weight, EPS, pdl=True), ValueError,
-                     "forward_impl: pdl=True needs programmatic dependent launch"),
-        "dw_sum_pdl_true": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=True), ValueError,
-                            "backward_impl: dw_sum_pdl=True needs programmatic dependent launch"),
         "dw_sum_pdl": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=1), TypeError,
                        "backward_impl: dw_sum_pdl must be a bool"),
     }

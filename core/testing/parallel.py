@@ -101,6 +101,7 @@ class Layout:
     packed: bool = False                 # THD, B = 1 (FLA path: deterministic_mode off)
     distributed_optimizer: bool = False
     fsdp: bool = False                   # Megatron-FSDP (CUDA only)
+    torch_fsdp2: bool = False            # megatron's torch FSDP2 wrapper (--use-torch-fsdp2)
     recompute: bool = False              # selective recompute of 'gdn_norm_out'
     full_recompute: bool = False         # megatron's full layer recompute (GPT models, uniform)
     micro_batches: int = 1               # the GDN module's batch in that many micro-batches
@@ -522,6 +523,13 @@ def _wrap(layout: Layout, config, model):
         return wrapped, wrapped.module.module
     # overlap_grad_reduce: buckets of a few dozen elements, so the GDN module's parameters are
     # reduced in several buckets, each as soon as its gradients are ready
+    if layout.torch_fsdp2:  # parameters sharded over DP; the module is FSDP2's unit
+        from megatron.core.distributed import TorchFullyShardedDataParallel
+
+        wrapped = TorchFullyShardedDataParallel(
+            config=config, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        return wrapped, wrapped.module
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce,
         bucket_size=OVERLAP_BUCKET_SIZE if layout.overlap_grad_reduce else None,
@@ -663,6 +671,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 
     record["grads"] = {name: _tp_local(_full(_main_grad(p)), p, shape, coords["tp"], layout.tp)
                        for name, p, shape in each_parameter()}
+    # the parameters an FSDP wrapper shards over DP are DTensors
+    record["sharded"] = {name for name, p, _ in each_parameter() if hasattr(p, "full_tensor")}
     if layout.distributed_optimizer:
         record["owned"] = _owned_ranges(optimizer, {name: p for name, p, _ in each_parameter()})
     with cpu_tensor_types():

@@ -82,6 +82,8 @@ WORLDS = {
         Layout("tp2-dp2-overlap-distopt", tp=2, dp=2, overlap_grad_reduce=True,
                distributed_optimizer=True),
         Layout("pp2-vp2-tp2-recompute", pp=2, vp=2, tp=2, recompute=True, model="gpt"),
+        # megatron's torch FSDP2 wrapper with every parameter sharded over DP 2
+        Layout("torch-fsdp2-tp2-dp2", tp=2, dp=2, torch_fsdp2=True),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -161,6 +163,10 @@ def test_every_gradient_matches_reference(worlds, layout, fused):
         out_norms = {name for name in record["grads"] if name.endswith("out_norm.weight")}
         assert out_norms and (out_norms <= record["tp_avg_tagged"]) == scaled
         assert scaled or not out_norms & record["tp_avg_tagged"]
+        if layout.torch_fsdp2:  # every parameter sharded over DP
+            assert record["sharded"] == set(record["grads"])
+        else:
+            assert not record["sharded"]
     if layout.distributed_optimizer:
         assert all("owned" in record for record in records)
     assert grad_mismatches(records) == []

@@ -111,15 +111,15 @@ CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The TP 1 / CP 1 / one-stage reference: weights, batches and gradients (path, dict)."""
+    from core.fusions.fused_gated_norm import interpreter_loop_problem
+
+    if interpreter_loop_problem():  # this process or the spawned ones interpret the kernels
+        pytest.skip(interpreter_loop_problem())
     tmp = tmp_path_factory.mktemp("layouts")
     path = str(tmp / "reference.pt")
     if not HAS_CUDA:
         init_cpu_model_parallel(tp_size=1)
         return path, make_reference(path)
-    from core.fusions.fused_gated_norm import interpreter_loop_problem
-
-    if interpreter_loop_problem():  # the spawned processes interpret the kernels
-        pytest.skip(interpreter_loop_problem())
     import torch.multiprocessing as mp
 
     with _spawned_processes_on_the_cpu():  # this process sees the GPU: compute it in one that does not

@@ -143,9 +143,9 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
 
 def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_v_dim: int) -> None:
     """Unit last-dim strides, then: rows of out do not overlap each other, and out is x or z
-    itself or does not overlap them; it never overlaps the weight (ValueError). The rules and
-    messages of gated_norm_validation.check_out_apart, from the token strides of the 2-D
-    tensors read once: half the host time of the general check."""
+    itself or does not overlap them; it never overlaps the weight's span (ValueError). The
+    messages of gated_norm_validation.check_out_apart, computed from the token strides of the
+    2-D tensors read once, which costs the per-call host path less than the general check."""
     x_strides, z_strides, out_strides = check_last_dim_stride(
         _NAME, (("x", x), ("z", z), ("out", out)))
     token_strides = {"x": x_strides[0], "z": z_strides[0], "out": out_strides[0]}

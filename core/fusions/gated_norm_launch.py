@@ -56,6 +56,8 @@ def sm_count(device: torch.device) -> int:
 # kernels at the row counts of TP 4-8 ranks. Bits do not change. The backward kernel itself
 # launches as usual (launched early it was slower in CUDA graphs); its dW sum is launched early
 # (DW_SUM_PDL) and lets the next kernel launch early. docs/design.md, Small row counts.
+# Like every constant here, read into cached rules and launch plans: a per-call choice is the
+# impls' override (forward_impl(pdl=...), backward_impl(dw_sum_pdl=...)).
 PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 

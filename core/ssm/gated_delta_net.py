@@ -433,7 +433,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             return
         for name, scale in self.out_norm_grad_scales.items():
             param = self.out_norm._parameters.get(name)
-            if (scale == 1.0 or not isinstance(param, torch.nn.Parameter)
+            if (scale == 1.0 or not isinstance(param, torch.nn.Parameter) or not param.requires_grad
                     or getattr(param, "_megatron_fsdp_model", None) is None):
                 continue
             fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})

@@ -135,6 +135,10 @@ class Layout:
                                        or (BATCH // self.dp) % self.micro_batches):
             raise ValueError(f"Layout {self.name}: micro_batches > 1 needs the GDN module's "
                              f"sbhd batch ({BATCH} // dp samples) to split into them")
+        if self.torch_fsdp2 and (self.fsdp or self.overlap_grad_reduce
+                                 or self.distributed_optimizer or not self.single_gdn):
+            raise ValueError(f"Layout {self.name}: torch_fsdp2 wraps the GDN module alone, "
+                             "without Megatron-FSDP, DDP's options or the distributed optimizer")
         if self.full_recompute and (self.single_gdn or self.recompute):
             raise ValueError(f"Layout {self.name}: full_recompute needs a GPT model and no "
                              "selective recompute")
@@ -521,8 +525,6 @@ def _wrap(layout: Layout, config, model):
         wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                            fsdp_unit_modules=[type(model)])
         return wrapped, wrapped.module.module
-    # overlap_grad_reduce: buckets of a few dozen elements, so the GDN module's parameters are
-    # reduced in several buckets, each as soon as its gradients are ready
     if layout.torch_fsdp2:  # parameters sharded over DP; the module is FSDP2's unit
         from megatron.core.distributed import TorchFullyShardedDataParallel
 
@@ -530,6 +532,8 @@ def _wrap(layout: Layout, config, model):
             config=config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         return wrapped, wrapped.module
+    # overlap_grad_reduce: buckets of a few dozen elements, so the GDN module's parameters are
+    # reduced in several buckets, each as soon as its gradients are ready
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce,
         bucket_size=OVERLAP_BUCKET_SIZE if layout.overlap_grad_reduce else None,

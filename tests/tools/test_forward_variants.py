@@ -11,6 +11,7 @@ from tools.forward_variants import variant_launches
 
 
 @pytest.mark.interpreter
+@pytest.mark.interpreter_backward  # the grid-stride variants run the backward's kind of loop
 @pytest.mark.parametrize("dim", [64, 128])
 def test_every_variant_writes_the_shipped_forwards_bits(dim):
     x, gate, weight = make_inputs((1, 37, 4, dim), torch.bfloat16)  # a partial last block

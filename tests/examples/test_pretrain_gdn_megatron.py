@@ -89,6 +89,7 @@ def test_driver_comparisons():
 
 def test_gdn_kernels_choice_without_fla_backward(monkeypatch):
     driver = _module(DRIVER, "run_megatron_pairs")
+    monkeypatch.setattr(driver, "HAS_CUDA", False)  # the default TP sizes need no GPUs
     monkeypatch.setattr(driver, "fla_backward_unavailable", lambda: "no GPU")
     assert driver.parse_args(["--gdn-kernels", "auto"]).gdn_kernels == "torch"
     assert driver.parse_args(["--gdn-kernels", "torch"]).gdn_kernels == "torch"
@@ -227,6 +228,7 @@ def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=Non
     return proc, metrics_path
 
 
+@pytest.mark.interpreter_backward
 def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
     """At DP 2 each rank computes the loss of its half of the batch; the launcher's metrics sum
     both halves: the same losses and token counts as one process with the whole batch."""

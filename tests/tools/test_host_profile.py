@@ -31,6 +31,8 @@ def test_host_profile_reports_own_work_from_its_timings():
     assert values["own_units_q1"] <= values["own_units"] <= values["own_units_q3"]
 
 
+@pytest.mark.interpreter  # the calls it times take CPU tensors, as in the tool's own process
+@pytest.mark.interpreter_backward
 def test_units_are_host_costs_per_round_formula(monkeypatch):
     """host_profile forms the units as host_cost does: per round, then the median, from the
     rounds it timed (here fixed timings: a round at half speed gives the same units)."""

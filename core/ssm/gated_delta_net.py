@@ -411,41 +411,39 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             scales[name] = float(self.tp_size)
         return scales, summed_by_sp_tag
 
-    def _check_out_norm_tp_tag(self) -> None:
-        """Each out_norm parameter still carries what has its TP gradient made whole: the tag
-        of finalize's AVG where the backward scales it, megatron's ``sequence_parallel`` tag
-        where megatron sums it for that tag (RuntimeError otherwise, naming the tag). Only
-        where a gradient can flow: a parameter replaced for inference (``load_state_dict(...,
-        assign=True)`` drops the tags) still runs under ``torch.no_grad()``."""
+    def _keep_out_norm_tp_tags(self) -> None:
+        """Each out_norm parameter a gradient can reach keeps what has its TP gradient made
+        whole: where the backward scales it, the tag of finalize's AVG, carried first to
+        Megatron-FSDP's distributed copy of the parameter; where megatron sums it for its
+        ``sequence_parallel`` tag, that tag (RuntimeError naming a lost tag). Only where a
+        gradient can flow (grad mode on, the parameter requiring grad): a parameter replaced
+        for inference (``load_state_dict(..., assign=True)`` drops the tags) still runs under
+        ``torch.no_grad()``."""
         if not torch.is_grad_enabled():
             return
+        params = self.out_norm._parameters
         for name, scale in self.out_norm_grad_scales.items():
-            if scale != 1.0:
-                self._check_tp_tag(name, TP_AVG_TAG)
-            elif name in self._out_norm_summed_by_sp_tag:
-                self._check_tp_tag(name, "sequence_parallel")
-
-    def _carry_out_norm_tp_tags_to_megatron_fsdp(self) -> None:
-        """Megatron-FSDP's distributed copy of each scaled out_norm parameter carries the tag of
-        finalize's AVG as the parameter does (carry_tag_to_megatron_fsdp_param); a search only
-        when the copy changed. Where a gradient can flow, as _check_out_norm_tp_tag."""
-        if not torch.is_grad_enabled():
-            return
-        for name, scale in self.out_norm_grad_scales.items():
-            param = self.out_norm._parameters.get(name)
-            if (scale == 1.0 or not isinstance(param, torch.nn.Parameter) or not param.requires_grad
-                    or getattr(param, "_megatron_fsdp_model", None) is None):
+            param = params.get(name)  # none: the norm's own checks refuse it
+            if not isinstance(param, torch.nn.Parameter) or not param.requires_grad:
                 continue
-            fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
-            if not fsdp_copy_tagged(param, TP_AVG_TAG, fsdp_indices.get(name)):
-                fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, TP_AVG_TAG)
+            if scale != 1.0:
+                self._carry_tag_to_megatron_fsdp_copy(name, param, TP_AVG_TAG)
+                self._check_tp_tag(name, param, TP_AVG_TAG)
+            elif name in self._out_norm_summed_by_sp_tag:
+                self._check_tp_tag(name, param, "sequence_parallel")
 
-    def _check_tp_tag(self, name: str, tag: str) -> None:
-        """out_norm's parameter ``name`` still carries ``tag`` where finalize_model_grads reads
-        it (RuntimeError otherwise); a parameter that takes no gradient needs none."""
-        param = self.out_norm._parameters.get(name)  # none: the norm's own checks refuse it
-        if not isinstance(param, torch.nn.Parameter) or not param.requires_grad:
+    def _carry_tag_to_megatron_fsdp_copy(self, name: str, param, tag: str) -> None:
+        """Megatron-FSDP's distributed copy of ``param`` carries ``tag`` as ``param`` does
+        (carry_tag_to_megatron_fsdp_param); a search only when the copy changed."""
+        if getattr(param, "_megatron_fsdp_model", None) is None:
             return
+        fsdp_indices = self.__dict__.setdefault("_fsdp_tag_index", {})
+        if not fsdp_copy_tagged(param, tag, fsdp_indices.get(name)):
+            fsdp_indices[name] = carry_tag_to_megatron_fsdp_param(param, tag)
+
+    def _check_tp_tag(self, name: str, param, tag: str) -> None:
+        """out_norm's parameter ``name`` (``param``) still carries ``tag`` where
+        finalize_model_grads reads it (RuntimeError otherwise)."""
         if getattr(param, tag, False):
             return
         # torch FSDP2: the tag is on the sharded parameter behind FSDP2's unsharded one. Its
@@ -487,8 +485,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         return (query, key, value, gate, *feats)
 
     def _apply_gated_norm(self, x, gate):
-        self._carry_out_norm_tp_tags_to_megatron_fsdp()
-        self._check_out_norm_tp_tag()
+        self._keep_out_norm_tp_tags()
         if not self.fused_gated_norm:
             scales = {name: scale for name, scale in self.out_norm_grad_scales.items()
                       if scale != 1.0}

@@ -287,33 +287,35 @@ def check_rstd(entry: str, x: torch.Tensor, rstd) -> None:
         )
 
 
-# A program's rows (the backward's int32 loop bound takes blocks of up to 2**16 rows: MAX_ROWS)
-# and warps (a CUDA block holds at most 1024 threads; more would fail inside the driver).
-MAX_OVERRIDE = {"bt": 2**16, "warps": 32}
 # The backward's persistent programs: its int32 block index (block + programs) stays below 2**31
 # for rows <= MAX_ROWS.
 MAX_PROGRAMS = 2**16
+# The largest value of a count override: a program's rows (the backward's int32 loop bound takes
+# blocks of up to 2**16 rows: MAX_ROWS), warps (a CUDA block holds at most 1024 threads; more
+# would fail inside the driver) and the backward's programs.
+MAX_OVERRIDE = {"bt": 2**16, "warps": 32, "programs": MAX_PROGRAMS}
+POWER_OF_TWO_OVERRIDES = ("bt", "warps")  # a block and a warp count
 # Elements of one Triton tile: a bigger block fails inside Triton's compiler.
 MAX_TILE_ELEMENTS = tl.TRITON_MAX_TENSOR_NUMEL
 
 
 def check_launch_overrides(entry: str, counts: tuple, switches: tuple) -> None:
     """Launch-parameter overrides of the ``*_impl`` wrappers: each ``(name, value)`` of
-    ``counts`` None or a positive int (``bt`` and ``warps`` also a power of two: a block and
-    a warp count, at most MAX_OVERRIDE; ``programs`` at most MAX_PROGRAMS), each of
-    ``switches`` None or a bool. What also depends on the head dim or the device is checked
-    with the launch parameters (check_launch_tile, check_dependent_launch)."""
+    ``counts`` None or a positive int, at most its MAX_OVERRIDE (``bt`` and ``warps`` also a
+    power of two), each of ``switches`` None or a bool. What also depends on the head dim or
+    the device is checked with the launch parameters (check_launch_tile,
+    check_dependent_launch)."""
     for name, value in counts:
         if value is None:
             continue
         if type(value) is not int:
             raise TypeError(f"{entry}: {name} must be None or an int, got {type(value).__name__}")
-        if name in MAX_OVERRIDE:
-            broken = value < 1 or value & (value - 1) or value > MAX_OVERRIDE[name]
-            rule = f"a power of two <= {MAX_OVERRIDE[name]}"
-        elif name == "programs":
-            broken = not 1 <= value <= MAX_PROGRAMS
-            rule = f"between 1 and {MAX_PROGRAMS}"
+        limit = MAX_OVERRIDE.get(name)
+        if name in POWER_OF_TWO_OVERRIDES:
+            broken = value < 1 or value & (value - 1) or value > limit
+            rule = f"a power of two <= {limit}"
+        elif limit is not None:
+            broken, rule = not 1 <= value <= limit, f"between 1 and {limit}"
         else:
             broken, rule = value < 1, ">= 1"
         if broken:

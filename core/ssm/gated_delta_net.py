@@ -32,7 +32,9 @@ Both paths (flag on and off) also get:
     forward pre-hooks with its weight in place before that weight is read (megatron's DDP with
     ``overlap_param_gather`` waits there for the weight's all-gather). On the fused path, which
     never calls out_norm, its forward hooks get the fused output; backward hooks, or a
-    pre-hook that replaces the input, are refused there (RuntimeError).
+    pre-hook that replaces the input, are refused there (RuntimeError);
+  * conv1d's forward pre-hooks run before megatron's forward reads conv1d's weight, which it
+    does without calling conv1d (see :meth:`GatedDeltaNet.forward`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,10 @@ def _has_backward_hooks(module: torch.nn.Module) -> bool:
     return bool(module._backward_hooks or module._backward_pre_hooks
                 or _module_hooks._global_backward_hooks
                 or _module_hooks._global_backward_pre_hooks)
+
+
+def _has_forward_pre_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or _module_hooks._global_forward_pre_hooks)
 
 
 def _has_forward_hooks(module: torch.nn.Module) -> bool:
@@ -346,6 +352,33 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         self.num_value_heads_local_tp_cp = self.num_v_heads_local_tp // self.cp_size
         self.out_norm_grad_scales, self._out_norm_summed_by_sp_tag = (
             self._complete_out_norm_tp_reduction())
+
+    def forward(self, *args, **kwargs):
+        """megatron's forward. It reads conv1d's parameters without calling conv1d, so conv1d's
+        forward pre-hooks would never run: megatron's DDP with ``overlap_param_gather`` waits
+        there for their all-gather, which the hook of in_proj's bucket has started, and without
+        the wait the convolution may read a stale weight wherever a DDP bucket ends between
+        in_proj's weight and conv1d's. While this forward runs, conv1d's pre-hooks run as
+        in_proj returns, just before the read (and nothing is added where conv1d has none)."""
+        if not _has_forward_pre_hooks(self.conv1d):
+            return super().forward(*args, **kwargs)
+        handle = self.in_proj.register_forward_hook(self._run_conv1d_pre_hooks)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            handle.remove()
+
+    def _run_conv1d_pre_hooks(self, in_proj, args, output) -> None:
+        """in_proj's forward hook: conv1d's forward pre-hooks, given in_proj's output (from
+        which megatron's forward takes the convolution's input). A hook that replaces that
+        input has nothing to act on: RuntimeError."""
+        out = output[0] if isinstance(output, tuple) else output
+        after = run_forward_pre_hooks(self.conv1d, (out,))
+        if len(after) != 1 or after[0] is not out:
+            raise RuntimeError(
+                "GatedDeltaNet: a forward pre-hook of conv1d replaces its input; megatron's "
+                "forward reads conv1d's parameters without calling conv1d and cannot apply it"
+            )
 
     @property
     def out_norm_weight_grad_scale(self) -> float:

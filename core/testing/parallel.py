@@ -71,7 +71,9 @@ MOE_SIZES = dict(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                  moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
 VOCAB = 64
 LR = 1e-2
-OVERLAP_BUCKET_SIZE = 64  # elements: with overlap_grad_reduce, about one bucket per parameter
+# elements: with overlap_grad_reduce, every parameter closes its DDP bucket (one per parameter,
+# so each gradient is reduced, and with overlap_param_gather each parameter gathered, on its own)
+OVERLAP_BUCKET_SIZE = 1
 # max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
 FP32_TOLERANCE = 1e-5
 # The GDN decay parameters' gradients are sums over tokens with heavy cancellation: at TP 1, a
@@ -106,6 +108,12 @@ class Layout:
     full_recompute: bool = False         # megatron's full layer recompute (GPT models, uniform)
     micro_batches: int = 1               # the GDN module's batch in that many micro-batches
     overlap_grad_reduce: bool = False    # DDP's bucketed grad reduce overlapping the backward
+    overlap_param_gather: bool = False   # the distributed optimizer's all-gather of the updated
+                                         # parameters in the next forward (DDP's pre-hooks)
+    per_token_loss: bool = False         # calculate_per_token_loss: a (loss, tokens) sum, which
+                                         # finalize_model_grads divides by the global token count
+    steps: int = 1                       # training steps (the gradients of the first are compared
+                                         # with the reference; later ones, with a twin layout's)
     model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm") or a GPTModel
                                          # ("gpt", "gpt-moe")
     ep: int = 1                          # expert parallelism ("gpt-moe")
@@ -139,6 +147,15 @@ class Layout:
                                  or self.distributed_optimizer or not self.single_gdn):
             raise ValueError(f"Layout {self.name}: torch_fsdp2 wraps the GDN module alone, "
                              "without Megatron-FSDP, DDP's options or the distributed optimizer")
+        if self.overlap_param_gather and not (self.distributed_optimizer
+                                              and self.overlap_grad_reduce and self.steps > 1):
+            raise ValueError(f"Layout {self.name}: overlap_param_gather needs the distributed "
+                             "optimizer and overlap_grad_reduce (as megatron.training), and "
+                             "steps > 1 (the gathered parameters are read by a later forward)")
+        if self.per_token_loss and not self.single_gdn:
+            raise ValueError(f"Layout {self.name}: per_token_loss is the GDN module's loss")
+        if self.steps < 1:
+            raise ValueError(f"Layout {self.name}: steps must be >= 1")
         if self.full_recompute and (self.single_gdn or self.recompute):
             raise ValueError(f"Layout {self.name}: full_recompute needs a GPT model and no "
                              "selective recompute")
@@ -245,6 +262,8 @@ def layout_config(layout: Layout, fused: bool):
     if layout.full_recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1)
+    if layout.per_token_loss:
+        extra.update(calculate_per_token_loss=True)
     if layout.model == "gdn-layernorm":
         extra.update(normalization="LayerNorm")
     if not layout.single_gdn:
@@ -476,8 +495,11 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
                             weight.chunk(layout.micro_batches, dim=1))]
 
 
-def _weighted_sum_loss(weight, output):
+def _weighted_sum_loss(weight, output, per_token: bool = False):
     loss = (output.float() * weight).sum()
+    if per_token:  # megatron's per-token form: the sum and the tokens it covers ([S, B, hidden])
+        tokens = torch.tensor(output.shape[0] * output.shape[1], dtype=torch.int)
+        return loss, tokens, {"loss": loss.detach()}
     return loss, {"loss": loss.detach()}
 
 
@@ -486,11 +508,11 @@ def _sum_loss(output):
     return loss, {"loss": loss.detach()}
 
 
-def _gdn_forward_step(data_iterator, model):
+def _gdn_forward_step(data_iterator, model, per_token: bool = False):
     batch = next(data_iterator)
     output, _ = model(batch["hidden"], attention_mask=None,
                       packed_seq_params=batch["packed_seq_params"])
-    return output, partial(_weighted_sum_loss, batch["loss_weight"])
+    return output, partial(_weighted_sum_loss, batch["loss_weight"], per_token=per_token)
 
 
 def _gpt_forward_step(data_iterator, model):
@@ -532,10 +554,11 @@ def _wrap(layout: Layout, config, model):
             config=config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         return wrapped, wrapped.module
-    # overlap_grad_reduce: buckets of a few dozen elements, so the GDN module's parameters are
-    # reduced in several buckets, each as soon as its gradients are ready
+    # overlap_grad_reduce: one bucket per parameter, each reduced as soon as its gradient is
+    # ready (and, with overlap_param_gather, each gathered as the forward reaches its module)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=layout.overlap_grad_reduce,
+        overlap_param_gather=layout.overlap_param_gather,
         bucket_size=OVERLAP_BUCKET_SIZE if layout.overlap_grad_reduce else None,
         use_distributed_optimizer=layout.distributed_optimizer)
     wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -639,7 +662,11 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         # the number of micro-batches: the GDN module's batch split over DP and micro-batches
         # gives the full gradient / (DP x micro-batches). The GPT models' micro-batches are split
         # over DP, and the schedule averages the loss over them: the full gradient.
+        # With the per-token loss DDP sums over DP x CP and finalize_model_grads divides by the
+        # batch's token count: the full gradient / tokens.
         share = layout.dp * layout.micro_batches if layout.single_gdn else 1
+        if layout.per_token_loss:
+            share = SEQ * BATCH
         record["expected"] = {name: grad / share for name, grad in expected.items()}
         record["expected_scale"] = {
             name: float(reference_grads[name].abs().max()) / share for name in expected}
@@ -658,30 +685,45 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         if len(wrapped) == 1:
             config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     batches = local_batches(layout, reference["data"], coords, device)
-    for chunk in wrapped:
-        chunk.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=_gdn_forward_step if layout.single_gdn else _gpt_forward_step,
-        # the interleaved schedule reads each chunk's micro-batches from its own iterator
-        data_iterator=[iter(batches) for _ in chunks] if layout.vp > 1 else iter(batches),
-        model=list(wrapped), num_microbatches=len(batches), seq_length=SEQ,
-        micro_batch_size=BATCH // layout.dp // layout.micro_batches if layout.single_gdn else 1,
-        forward_only=False)
 
     def each_parameter():  # (global name, parameter, local shape) of every chunk
         for module, chunk_names, shapes in zip(inner, names, local_shapes):
             for n, p in module.named_parameters():
                 yield chunk_names[n], p, shapes[n]
 
-    record["grads"] = {name: _tp_local(_full(_main_grad(p)), p, shape, coords["tp"], layout.tp)
-                       for name, p, shape in each_parameter()}
+    # Each step as megatron.training's train_step: zeroed gradient buffers, megatron's schedule
+    # (with finalize_model_grads), the optimizer step.
+    record["later_grads"], record["update_successful"] = [], True
+    for step in range(layout.steps):
+        for chunk in wrapped:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=(partial(_gdn_forward_step, per_token=layout.per_token_loss)
+                               if layout.single_gdn else _gpt_forward_step),
+            # the interleaved schedule reads each chunk's micro-batches from its own iterator
+            data_iterator=[iter(batches) for _ in chunks] if layout.vp > 1 else iter(batches),
+            model=list(wrapped), num_microbatches=len(batches), seq_length=SEQ,
+            micro_batch_size=BATCH // layout.dp // layout.micro_batches if layout.single_gdn else 1,
+            forward_only=False)
+        grads = {name: _tp_local(_full(_main_grad(p)), p, shape, coords["tp"], layout.tp)
+                 for name, p, shape in each_parameter()}
+        if step == 0:
+            record["grads"] = grads
+        else:
+            record["later_grads"].append(grads)
+        with cpu_tensor_types():
+            update_successful, _, _ = optimizer.step()
+        record["update_successful"] &= bool(update_successful)
     # the parameters an FSDP wrapper shards over DP are DTensors
     record["sharded"] = {name for name, p, _ in each_parameter() if hasattr(p, "full_tensor")}
     if layout.distributed_optimizer:
         record["owned"] = _owned_ranges(optimizer, {name: p for name, p, _ in each_parameter()})
-    with cpu_tensor_types():
-        update_successful, _, _ = optimizer.step()
-    record["update_successful"] = bool(update_successful)
+    if layout.overlap_param_gather:
+        # the last step's parameters are gathered by the next forward; megatron.training gathers
+        # them at once before an evaluation or a checkpoint
+        for chunk in wrapped:
+            chunk.start_param_sync(force_sync=True)
     record["params"] = {name: _tp_local(_full(p), p, shape, coords["tp"], layout.tp)
                         for name, p, shape in each_parameter()}
     return record

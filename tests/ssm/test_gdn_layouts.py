@@ -31,6 +31,12 @@ from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, MOE_SIZES, REFERENC
                                    make_reference, partial_out_norm_grad, reference_worker,
                                    replica_mismatches, run_case, spawn_layouts)
 
+OVERLAP_PARAM_GATHER_TWINS = (
+    Layout("tp2-dp2-overlap-distopt-2steps", tp=2, dp=2, overlap_grad_reduce=True,
+           distributed_optimizer=True, steps=2),
+    Layout("tp2-dp2-overlap-param-gather", tp=2, dp=2, overlap_grad_reduce=True,
+           distributed_optimizer=True, overlap_param_gather=True, steps=2),
+)
 WORLDS = {
     2: (
         Layout("tp2", tp=2),
@@ -84,6 +90,12 @@ WORLDS = {
         Layout("pp2-vp2-tp2-recompute", pp=2, vp=2, tp=2, recompute=True, model="gpt"),
         # megatron's torch FSDP2 wrapper with every parameter sharded over DP 2
         Layout("torch-fsdp2-tp2-dp2", tp=2, dp=2, torch_fsdp2=True),
+        # two steps, the second's parameters all-gathered as the forward reaches them
+        # (--overlap-param-gather), against the same two steps gathered in the optimizer step
+        OVERLAP_PARAM_GATHER_TWINS[0],
+        OVERLAP_PARAM_GATHER_TWINS[1],
+        # megatron's per-token loss (--calculate-per-token-loss) over CP and micro-batches
+        Layout("tp2-cp2-mb2-per-token-loss", tp=2, cp=2, micro_batches=2, per_token_loss=True),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -192,6 +204,28 @@ def test_parameters_bit_identical_across_ranks_after_step(worlds, layout, fused)
     assert holders
     assert sum(len(ranks) for ranks in holders.values()) >= layout.world_size
     assert all(len(ranks) == layout.world_size // layout.pp for ranks in holders.values())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_overlapped_param_gather_equals_gather_in_the_optimizer_step(worlds, fused):
+    """With --overlap-param-gather the second step's forward reads parameters that DDP's
+    pre-hooks all-gather as it reaches them (the fused path reads out_norm.weight without
+    calling out_norm, so it runs out_norm's pre-hooks itself). Every rank's second-step
+    gradients and parameters equal, bit for bit, those of the same two steps with the
+    parameters gathered in the optimizer step."""
+    gathered_in_step, overlapped = (_records(worlds, layout, fused)
+                                    for layout in OVERLAP_PARAM_GATHER_TWINS)
+    for a, b in zip(gathered_in_step, overlapped):
+        assert a["coords"] == b["coords"]
+        assert len(a["later_grads"]) == len(b["later_grads"]) == 1
+        for what in ("grads", "params"):
+            assert a[what].keys() == b[what].keys()
+        for name in a["params"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+            assert torch.equal(a["later_grads"][0][name], b["later_grads"][0][name]), name
+            assert torch.equal(a["params"][name], b["params"][name]), name
+        # the second step's gradients are those of the updated parameters
+        assert not torch.equal(a["later_grads"][0]["out_norm.weight"], a["grads"]["out_norm.weight"])
 
 
 LAYERNORM_CASES = [(layout, fused) for layout, fused in CASES if layout.model == "gdn-layernorm"]

@@ -1,7 +1,8 @@
 """out_norm's forward pre-hooks run before its weight is read, on every path of
 GatedDeltaNet._apply_gated_norm: the fused one never calls out_norm, and the scaled unfused one
 swaps its weight slot. Megatron's DDP with ``overlap_param_gather`` waits for a parameter's
-all-gather in such a hook; skipping it would let the norm read a stale weight."""
+all-gather in such a hook; skipping it would let the norm read a stale weight. The same holds
+for conv1d, whose weight megatron's forward reads without calling conv1d (flag on and off)."""
 
 import pytest
 import torch
@@ -116,14 +117,15 @@ def test_a_hook_may_remove_itself_as_in_a_module_call(fused, scale):
 
 @pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
 def test_module_compiled_whole_with_out_norm_hooks(fused, scale):
-    """torch.compile of the whole GDN module, out_norm holding a pre-hook and a forward hook
-    (megatron's DDP with overlap_param_gather registers pre-hooks on every module): the hooks run
-    once per call and the output and gradient equal the eager module's."""
+    """torch.compile of the whole GDN module, out_norm holding a pre-hook and a forward hook and
+    conv1d a pre-hook (megatron's DDP with overlap_param_gather registers pre-hooks on every
+    module): the hooks run once per call and the output and gradient equal the eager module's."""
     module = build_gdn_module(gdn_config(fused_gated_norm=fused, params_dtype=torch.float32))
     set_out_norm_grad_scale(module, scale)
     calls = []
     module.out_norm.register_forward_pre_hook(lambda m, args: calls.append("pre"))
     module.out_norm.register_forward_hook(lambda m, args, out: calls.append("post"))
+    module.conv1d.register_forward_pre_hook(lambda m, args: calls.append("conv1d"))
     x = torch.randn(8, 2, module.config.hidden_size, generator=torch.Generator().manual_seed(0))
     results = []
     for run in (module, torch.compile(module, backend="aot_eager")):
@@ -131,7 +133,7 @@ def test_module_compiled_whole_with_out_norm_hooks(fused, scale):
         out, _ = run(leaf, None)
         out.sum().backward()
         results.append((out.detach(), leaf.grad))
-    assert calls == ["pre", "post"] * 2
+    assert calls == ["conv1d", "pre", "post"] * 2
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
@@ -229,3 +231,88 @@ def test_megatron_ddp_waits_for_the_out_norm_weight_all_gather(fused, scale):
     group.finish_param_sync = lambda *args, **kwargs: finished.append(1) or finish(*args, **kwargs)
     ddp.module._apply_gated_norm(*_inputs())
     assert finished, "out_norm.weight was read without waiting for its all-gather"
+
+
+# ----------------------------------------------------------------------------------------------
+# conv1d: megatron's forward reads its weight without calling it
+# ----------------------------------------------------------------------------------------------
+
+
+def _layer_input(module, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 2, module.config.hidden_size, generator=gen).to(
+        module.config.params_dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_conv1d_pre_hooks_run_after_in_proj_before_the_convolution(fused, monkeypatch):
+    """Each forward runs conv1d's pre-hooks once, given in_proj's output, between in_proj's
+    return and the convolution (megatron's deterministic_mode path: F.conv1d); the hook it adds
+    to in_proj for that is gone afterwards."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    assert module.config.deterministic_mode
+    events = []
+    conv1d = torch.nn.functional.conv1d
+    monkeypatch.setattr(torch.nn.functional, "conv1d",
+                        lambda *args, **kwargs: events.append("convolution") or conv1d(*args,
+                                                                                       **kwargs))
+    module.in_proj.register_forward_hook(lambda m, args, out: events.append(("in_proj", out[0])))
+    module.conv1d.register_forward_pre_hook(lambda m, args: events.append(("pre", args[0])))
+    for _ in range(2):
+        events.clear()
+        module(_layer_input(module), None)
+        assert [e if isinstance(e, str) else e[0] for e in events] == [
+            "in_proj", "pre", "convolution"]
+        assert events[1][1] is events[0][1]
+    assert len(module.in_proj._forward_hooks) == 1  # only the test's own
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_conv1d_global_pre_hooks_run(fused):
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: seen.append(m))
+    try:
+        module(_layer_input(module), None)
+    finally:
+        handle.remove()
+    assert sum(m is module.conv1d for m in seen) == 1
+
+
+def test_conv1d_pre_hook_that_replaces_the_input_is_refused():
+    module = build_gdn_module(gdn_config(fused_gated_norm=True))
+    module.conv1d.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    with pytest.raises(RuntimeError, match="pre-hook of conv1d replaces its input"):
+        module(_layer_input(module), None)
+    assert not module.in_proj._forward_hooks
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_megatron_ddp_waits_for_the_conv1d_weight_all_gather(fused):
+    """megatron's DDP with the distributed optimizer, ``overlap_param_gather`` and one bucket per
+    parameter: the forward finishes conv1d.weight's parameter sync, which no module call of
+    megatron's forward would, before the convolution reads the weight."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               overlap_grad_reduce=True,
+                                               overlap_param_gather=True, bucket_size=1)
+    with cpu_tensor_types():
+        ddp = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+    inner = ddp.module
+    conv_group = ddp.param_to_bucket_group[inner.conv1d.weight]
+    others = [p for n, p in inner.named_parameters() if not n.startswith("conv1d.")]
+    assert all(ddp.param_to_bucket_group[p] is not conv_group for p in others)
+    events = []
+    finish = conv_group.finish_param_sync
+    conv_group.finish_param_sync = (
+        lambda *args, **kwargs: events.append("conv1d synced") or finish(*args, **kwargs))
+    conv1d = torch.nn.functional.conv1d
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "conv1d",
+                      lambda *args, **kwargs: events.append("convolution") or conv1d(*args,
+                                                                                     **kwargs))
+        ddp(_layer_input(inner), None)
+    assert events == ["conv1d synced", "convolution"]

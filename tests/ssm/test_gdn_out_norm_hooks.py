@@ -244,18 +244,27 @@ def _layer_input(module, seed: int = 0):
         module.config.params_dtype)
 
 
+def _record_convolutions(monkeypatch, deterministic: bool, events: list) -> None:
+    """Append "convolution" to ``events`` whenever megatron's GDN forward convolves: F.conv1d in
+    deterministic_mode, else FLA's causal_conv1d (on the CPU its stand-in)."""
+    import megatron.core.ssm.gated_delta_net.gdn as gdn
+
+    owner, name = (torch.nn.functional, "conv1d") if deterministic else (gdn, "causal_conv1d")
+    convolve = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: events.append("convolution")
+                        or convolve(*args, **kwargs))
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["torch_conv", "fla_conv"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_conv1d_pre_hooks_run_after_in_proj_before_the_convolution(fused, monkeypatch):
+def test_conv1d_pre_hooks_run_after_in_proj_before_the_convolution(fused, deterministic,
+                                                                   monkeypatch):
     """Each forward runs conv1d's pre-hooks once, given in_proj's output, between in_proj's
-    return and the convolution (megatron's deterministic_mode path: F.conv1d); the hook it adds
-    to in_proj for that is gone afterwards."""
-    module = build_gdn_module(gdn_config(fused_gated_norm=fused))
-    assert module.config.deterministic_mode
+    return and the convolution (either of megatron's convolutions); the hook it adds to in_proj
+    for that is gone afterwards."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=fused, deterministic_mode=deterministic))
     events = []
-    conv1d = torch.nn.functional.conv1d
-    monkeypatch.setattr(torch.nn.functional, "conv1d",
-                        lambda *args, **kwargs: events.append("convolution") or conv1d(*args,
-                                                                                       **kwargs))
+    _record_convolutions(monkeypatch, deterministic, events)
     module.in_proj.register_forward_hook(lambda m, args, out: events.append(("in_proj", out[0])))
     module.conv1d.register_forward_pre_hook(lambda m, args: events.append(("pre", args[0])))
     for _ in range(2):
@@ -309,10 +318,7 @@ def test_megatron_ddp_waits_for_the_conv1d_weight_all_gather(fused):
     finish = conv_group.finish_param_sync
     conv_group.finish_param_sync = (
         lambda *args, **kwargs: events.append("conv1d synced") or finish(*args, **kwargs))
-    conv1d = torch.nn.functional.conv1d
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.nn.functional, "conv1d",
-                      lambda *args, **kwargs: events.append("convolution") or conv1d(*args,
-                                                                                     **kwargs))
+        _record_convolutions(patch, inner.config.deterministic_mode, events)
         ddp(_layer_input(inner), None)
     assert events == ["conv1d synced", "convolution"]

@@ -20,7 +20,8 @@ Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_c
   the reference batch with the stock ``finalize_model_grads`` as
   ``config.finalize_model_grads_func``; records every parameter's ``main_grad`` next to the
   reference gradient sharded the same way (the distributed optimizer: the range the rank owns);
-  steps the optimizer and records every parameter.
+  steps the optimizer; repeats schedule and step ``Layout.steps`` times in all (the later
+  steps' gradients recorded too) and records every parameter.
 
 The reference is :func:`run_case` of the same code at world size 1 (:func:`make_reference`).
 The test process checks the records with :func:`grad_mismatches` (every parameter's gradient
@@ -710,15 +711,17 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                  for name, p, shape in each_parameter()}
         if step == 0:
             record["grads"] = grads
+            # the parameters an FSDP wrapper shards over DP are DTensors
+            record["sharded"] = {name for name, p, _ in each_parameter()
+                                 if hasattr(p, "full_tensor")}
+            if layout.distributed_optimizer:
+                record["owned"] = _owned_ranges(optimizer,
+                                                {name: p for name, p, _ in each_parameter()})
         else:
             record["later_grads"].append(grads)
         with cpu_tensor_types():
             update_successful, _, _ = optimizer.step()
         record["update_successful"] &= bool(update_successful)
-    # the parameters an FSDP wrapper shards over DP are DTensors
-    record["sharded"] = {name for name, p, _ in each_parameter() if hasattr(p, "full_tensor")}
-    if layout.distributed_optimizer:
-        record["owned"] = _owned_ranges(optimizer, {name: p for name, p, _ in each_parameter()})
     if layout.overlap_param_gather:
         # the last step's parameters are gathered by the next forward; megatron.training gathers
         # them at once before an evaluation or a checkpoint

@@ -35,8 +35,15 @@ def test_global_name_shifts_layers_and_experts():
     (dict(dp=4, model="gpt-moe"), "DP dividing their 2 micro-batches"),
     (dict(vp=2, model="gpt"), "vp > 1 needs pp > 1"),
     (dict(pp=4, vp=2, model="gpt"), "pp x vp dividing its 4 layers"),
+    (dict(dp=2, distributed_optimizer=True, steps=2, overlap_param_gather=True),
+     "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce"),
+    (dict(dp=2, distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+     "steps > 1"),
+    (dict(pp=2, per_token_loss=True, model="gpt"), "per_token_loss is the GDN module's loss"),
+    (dict(steps=0), "steps must be >= 1"),
 ], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
-        "vp-without-pp", "vp-too-many"])
+        "vp-without-pp", "vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
+        "per-token-gpt", "no-steps"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)

@@ -233,6 +233,7 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
 TRAINING_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",  # the fp16 loss scale
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules",

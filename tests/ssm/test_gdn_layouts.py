@@ -1,6 +1,8 @@
 """The layout matrix on the CPU (gloo, spawned processes): GDN models under TP, SP, CP, packed
-sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer and selective
-recompute, flag on and off, against the same model at TP 1 / CP 1 / one stage / EP 1
+sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer, torch FSDP2,
+selective and full recompute, and what megatron's training loop adds around a step
+(micro-batches, overlapping grad reduce and param gather, per-token loss, fp16 loss scaling),
+flag on and off, against the same model at TP 1 / CP 1 / one stage / EP 1
 (core.testing.parallel; docs/tensor_parallel.md, section "Parallel layouts").
 
 Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
@@ -59,6 +61,8 @@ WORLDS = {
         Layout("tp2-mb2-overlap-recompute", tp=2, micro_batches=2, overlap_grad_reduce=True,
                recompute=True),
         Layout("gpt-tp2-full-recompute", tp=2, full_recompute=True, model="gpt"),
+        # fp16 parameters with megatron's dynamic loss scaler (the gradients hold the scale)
+        Layout("tp2-fp16", tp=2, fp16=True),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -96,6 +100,9 @@ WORLDS = {
         OVERLAP_PARAM_GATHER_TWINS[1],
         # megatron's per-token loss (--calculate-per-token-loss) over CP and micro-batches
         Layout("tp2-cp2-mb2-per-token-loss", tp=2, cp=2, micro_batches=2, per_token_loss=True),
+        # DDP averaging in the collective (ReduceOp.AVG) with the distributed optimizer
+        Layout("tp2-dp2-avg-in-collective-distopt", tp=2, dp=2, average_in_collective=True,
+               distributed_optimizer=True),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()

@@ -1,6 +1,7 @@
-"""The layout matrix on 2 GPUs over NCCL (``pytest -m gpu``): the layouts that the CPU cannot
-run, or runs only through stand-ins, with the fused norm, against the eager TP 1 / CP 1 step of
-the same model (core.testing.parallel, the harness of tests/ssm/test_gdn_layouts.py):
+"""The layout matrix on GPUs over NCCL (``pytest -m gpu``), with the fused norm, against the
+eager TP 1 / CP 1 step of the same model (core.testing.parallel, the harness of
+tests/ssm/test_gdn_layouts.py). On 2 GPUs, the layouts that the CPU cannot run, or runs only
+through stand-ins:
 
   * cp2      GDN's all-to-all context parallelism, sbhd (megatron's torch chunk rule);
   * thd-cp2  packed THD sequences with CP 2 on FLA's Triton kernels (the CPU runs torch
@@ -9,6 +10,10 @@ the same model (core.testing.parallel, the harness of tests/ssm/test_gdn_layouts
              needs CUDA: ``MegatronFSDP.__init__`` compares its device with
              ``torch.device(f"cuda:{torch.cuda.current_device()}")`` (no NVIDIA driver on the
              CPU machines) and creates ``torch.cuda.Stream()`` side streams.
+
+On one GPU, what megatron's training loop adds around a step, on CUDA (the CPU matrix runs them
+at TP 2 on gloo): two steps with ``overlap_param_gather``, fp16 under the dynamic loss scaler,
+the per-token loss over 2 micro-batches, DDP's ``average_in_collective``.
 
 Each case checks the out_norm weight gradient after the stock finalize_model_grads against the
 TP 1 gradient, then every parameter's, then the replicas after the optimizer step.
@@ -20,16 +25,16 @@ import pytest
 import torch
 
 from core.testing.gdn import fla_gdn_backward_unavailable
-from core.testing.parallel import (FP32_TOLERANCE, Layout, case_key, grad_errors,
-                                   grad_mismatches, reference_worker, replica_mismatches,
-                                   spawn_layouts)
+from core.testing.parallel import (Layout, case_key, grad_errors, grad_mismatches,
+                                   reference_worker, replica_mismatches, spawn_layouts, tolerance)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.device_count() < 2,
-        reason="needs 2 CUDA devices (NCCL); the CPU runs tests/ssm/test_gdn_layouts.py"),
-]
+pytestmark = pytest.mark.gpu
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices (NCCL); the CPU runs tests/ssm/test_gdn_layouts.py")
+needs_a_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device; the CPU runs tests/ssm/test_gdn_layouts.py")
 
 LAYOUTS = (
     Layout("cp2", cp=2),
@@ -46,22 +51,72 @@ GPU_REFERENCE_CASES = (("gdn", "sbhd", True),) + ((("gdn", "thd", True),) if not
 TOLERANCE_FACTOR = 10.0
 
 
+# two steps, the second's parameters gathered in the optimizer step or by DDP's pre-hooks
+ONE_GPU_TWINS = (
+    Layout("overlap-distopt-2steps", overlap_grad_reduce=True, distributed_optimizer=True,
+           steps=2),
+    Layout("overlap-param-gather-2steps", overlap_grad_reduce=True, distributed_optimizer=True,
+           overlap_param_gather=True, steps=2),
+)
+ONE_GPU_LAYOUTS = (
+    *ONE_GPU_TWINS,
+    Layout("fp16", fp16=True),
+    Layout("mb2-per-token-loss", micro_batches=2, per_token_loss=True),
+    Layout("avg-in-collective-distopt", average_in_collective=True, distributed_optimizer=True),
+)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def reference(tmp_path_factory) -> str:
+    """The path of the TP 1 reference, computed on the GPU in its own process (this one holds no
+    process group and no CUDA context)."""
     import torch.multiprocessing as mp
 
-    tmp = tmp_path_factory.mktemp("layouts_gpu")
-    reference = str(tmp / "reference.pt")
-    # the reference in its own process: this one holds no process group and no CUDA context
+    tmp = tmp_path_factory.mktemp("layouts_gpu_reference")
+    path = str(tmp / "reference.pt")
     mp.spawn(reference_worker, nprocs=1, join=True,
-             args=(os.path.join(tmp, "rendezvous_reference"), reference, GPU_REFERENCE_CASES))
-    return spawn_layouts(RUN_LAYOUTS, reference, str(tmp), fused_values=(True,))
+             args=(os.path.join(tmp, "rendezvous_reference"), path, GPU_REFERENCE_CASES))
+    return path
 
 
+@pytest.fixture(scope="module")
+def ranks(reference, tmp_path_factory):
+    return spawn_layouts(RUN_LAYOUTS, reference, str(tmp_path_factory.mktemp("layouts_gpu")),
+                         fused_values=(True,))
+
+
+@pytest.fixture(scope="module")
+def one_gpu_ranks(reference, tmp_path_factory):
+    return spawn_layouts(ONE_GPU_LAYOUTS, reference,
+                         str(tmp_path_factory.mktemp("layouts_one_gpu")), fused_values=(True,))
+
+
+@needs_two_gpus
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
 def test_out_norm_gradient_matches_tp1(ranks, layout):
     if layout.packed and FLA_UNAVAILABLE:
         pytest.skip(FLA_UNAVAILABLE)
+    _check(ranks, layout)
+
+
+@needs_a_gpu
+@pytest.mark.parametrize("layout", ONE_GPU_LAYOUTS, ids=[layout.name for layout in ONE_GPU_LAYOUTS])
+def test_training_options_match_the_reference_on_one_gpu(one_gpu_ranks, layout):
+    _check(one_gpu_ranks, layout)
+
+
+@needs_a_gpu
+def test_overlapped_param_gather_equals_gather_in_the_optimizer_step_on_one_gpu(one_gpu_ranks):
+    (gathered_in_step,), (overlapped,) = ([rank[case_key(layout, True)] for rank in one_gpu_ranks]
+                                          for layout in ONE_GPU_TWINS)
+    for what in ("grads", "params"):
+        for name, value in gathered_in_step[what].items():
+            assert torch.equal(value, overlapped[what][name]), (what, name)
+    for name, value in gathered_in_step["later_grads"][0].items():
+        assert torch.equal(value, overlapped["later_grads"][0][name]), name
+
+
+def _check(ranks, layout) -> None:
     key = case_key(layout, True)
     records = [rank[key] for rank in ranks]
     for rank, record in enumerate(records):
@@ -71,7 +126,7 @@ def test_out_norm_gradient_matches_tp1(ranks, layout):
     out_norm = errors["out_norm.weight"]
     print(f"{key}: out_norm.weight rel err {out_norm:.2e}; largest of all parameters "
           f"{max(errors.values()):.2e}")
-    assert out_norm <= FP32_TOLERANCE * TOLERANCE_FACTOR
+    assert out_norm <= tolerance("out_norm.weight", layout.fp16) * TOLERANCE_FACTOR
     mismatches = grad_mismatches(records, tolerance_factor=TOLERANCE_FACTOR)
     print("\n".join(mismatches))
     assert mismatches == []

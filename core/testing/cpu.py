@@ -443,6 +443,21 @@ def cpu_tensor_types():
 # ----------------------------------------------------------------------------------------------
 
 
+def parallel_sizes() -> Optional[tuple]:
+    """(tp, pp, cp, ep, etp, vp) of megatron's initialised parallel_state; None if there is none.
+    Megatron's ``destroy_model_parallel`` drops its process groups without destroying them, so
+    every re-initialisation leaves a set of live gloo groups (and their threads) behind: the
+    harness keeps a parallel_state that already has the sizes it needs."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size())
+
+
 def init_cpu_model_parallel(
     tp_size: int = 1,
     rank: int = 0,
@@ -473,9 +488,11 @@ def init_cpu_model_parallel(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    # megatron's default expert tensor parallelism is the TP size
+    if parallel_sizes() != (tp_size, 1, 1, 1, tp_size, None):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

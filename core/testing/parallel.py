@@ -230,20 +230,25 @@ def init_world(rank: int, world_size: int, init_file: str) -> torch.device:
 
 
 def init_layout(layout: Layout, seed: int = 1234) -> None:
-    """(Re-)initialise megatron's parallel_state for ``layout`` in the current world."""
+    """Initialise megatron's parallel_state for ``layout`` in the current world (kept where it
+    already has the layout's sizes: ``core.testing.cpu.parallel_sizes``), then reseed megatron's
+    RNG tracker."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from core.testing.cpu import parallel_sizes
 
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"Layout {layout.name} needs {layout.world_size} ranks, world has {world}")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None)
+    vp = layout.vp if layout.vp > 1 else None
+    if parallel_sizes() != (layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, vp):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp, virtual_pipeline_model_parallel_size=vp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

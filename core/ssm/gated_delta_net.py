@@ -129,6 +129,17 @@ def run_forward_pre_hooks(module: torch.nn.Module, args: tuple, *,
     return args
 
 
+def run_forward_pre_hooks_on(module: torch.nn.Module, tensor: torch.Tensor, refusal: str) -> tuple:
+    """:func:`run_forward_pre_hooks` with ``(tensor,)``, for a caller that never calls
+    ``module`` and so has nowhere to pass a replaced input: a hook that replaces it raises
+    RuntimeError(``refusal``). Returns ``(tensor,)``."""
+    args = (tensor,)
+    after = run_forward_pre_hooks(module, args)
+    if len(after) != 1 or after[0] is not tensor:
+        raise RuntimeError(refusal)
+    return args
+
+
 def run_forward_hooks(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Run the forward hooks that ``module(*args)`` would run after its forward (the global ones,
     then the module's own) on ``output``; return the output they leave (a hook may return a
@@ -175,8 +186,8 @@ def _has_forward_pre_hooks(module: torch.nn.Module) -> bool:
 
 
 def _has_forward_hooks(module: torch.nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks
-                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_forward_hooks)
+    return (_has_forward_pre_hooks(module)
+            or bool(module._forward_hooks or _module_hooks._global_forward_hooks))
 
 
 class _ReductionProbe(torch.Tensor):
@@ -372,13 +383,10 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         """in_proj's forward hook: conv1d's forward pre-hooks, given in_proj's output (from
         which megatron's forward takes the convolution's input). A hook that replaces that
         input has nothing to act on: RuntimeError."""
-        out = output[0] if isinstance(output, tuple) else output
-        after = run_forward_pre_hooks(self.conv1d, (out,))
-        if len(after) != 1 or after[0] is not out:
-            raise RuntimeError(
-                "GatedDeltaNet: a forward pre-hook of conv1d replaces its input; megatron's "
-                "forward reads conv1d's parameters without calling conv1d and cannot apply it"
-            )
+        run_forward_pre_hooks_on(
+            self.conv1d, output[0] if isinstance(output, tuple) else output,
+            "GatedDeltaNet: a forward pre-hook of conv1d replaces its input; megatron's forward "
+            "reads conv1d's parameters without calling conv1d and cannot apply it")
 
     @property
     def out_norm_weight_grad_scale(self) -> float:
@@ -557,15 +565,11 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         give it (megatron's DDP with ``overlap_param_gather`` waits there for the weight's
         all-gather). A hook that replaces that input has nothing to act on inside the one
         kernel: RuntimeError."""
-        args = (x.reshape(-1, x.shape[-1]),)
-        after = run_forward_pre_hooks(self.out_norm, args)
-        if len(after) != 1 or after[0] is not args[0]:
-            raise RuntimeError(
-                "GatedDeltaNet: a forward pre-hook of out_norm replaces the norm's input; the "
-                "fused output norm computes norm and gate in one kernel and cannot apply it. Turn "
-                "fused_gated_norm off for this model."
-            )
-        return args
+        return run_forward_pre_hooks_on(
+            self.out_norm, x.reshape(-1, x.shape[-1]),
+            "GatedDeltaNet: a forward pre-hook of out_norm replaces the norm's input; the fused "
+            "output norm computes norm and gate in one kernel and cannot apply it. Turn "
+            "fused_gated_norm off for this model.")
 
     def _run_out_norm_forward_hooks(self, args, out):
         """out_norm's forward hooks, given the fused output (the gated norm, [B, S, H, D]: the

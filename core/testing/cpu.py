@@ -444,10 +444,7 @@ def cpu_tensor_types():
 
 
 def parallel_sizes() -> Optional[tuple]:
-    """(tp, pp, cp, ep, etp, vp) of megatron's initialised parallel_state; None if there is none.
-    Megatron's ``destroy_model_parallel`` drops its process groups without destroying them, so
-    every re-initialisation leaves a set of live gloo groups (and their threads) behind: the
-    harness keeps a parallel_state that already has the sizes it needs."""
+    """(tp, pp, cp, ep, etp, vp) of megatron's initialised parallel_state; None if there is none."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -456,6 +453,27 @@ def parallel_sizes() -> Optional[tuple]:
             ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
             ps.get_expert_tensor_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size())
+
+
+def init_model_parallel_sizes(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                              etp: Optional[int] = None, vp: Optional[int] = None,
+                              seed: int = 1234) -> None:
+    """megatron's parallel_state with these sizes in the current world (``etp`` None: megatron's
+    default, the TP size; ``vp`` None: no virtual stages), then megatron's RNG tracker reseeded.
+    A parallel_state that already has them is kept: megatron's ``destroy_model_parallel`` drops
+    its process groups without destroying them, so every re-initialisation leaves a set of live
+    gloo groups (and their threads) behind."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_sizes() != (tp, pp, cp, ep, tp if etp is None else etp, vp):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            context_parallel_size=cp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=vp)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def init_cpu_model_parallel(
@@ -473,9 +491,6 @@ def init_cpu_model_parallel(
     available nothing is patched (megatron's RNG tracker seeds the CUDA generator)."""
     if not torch.cuda.is_available():
         install_cpu_shims()  # the tracker's CUDA RNG state on the CPU generator
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     world_size = world_size or tp_size
     if not torch.distributed.is_initialized():
         if init_file is None:
@@ -488,12 +503,7 @@ def init_cpu_model_parallel(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
-    # megatron's default expert tensor parallelism is the TP size
-    if parallel_sizes() != (tp_size, 1, 1, 1, tp_size, None):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    init_model_parallel_sizes(tp=tp_size, seed=seed)
 
 
 def destroy_cpu_model_parallel() -> None:

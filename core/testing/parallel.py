@@ -174,6 +174,11 @@ class Layout:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' and the GDN module's input dtype."""
+        return torch.float16 if self.fp16 else torch.float32
+
+    @property
     def single_gdn(self) -> bool:
         """The model is one GatedDeltaNet module (not a GPTModel)."""
         return self.model in ("gdn", "gdn-layernorm")
@@ -230,26 +235,15 @@ def init_world(rank: int, world_size: int, init_file: str) -> torch.device:
 
 
 def init_layout(layout: Layout, seed: int = 1234) -> None:
-    """Initialise megatron's parallel_state for ``layout`` in the current world (kept where it
-    already has the layout's sizes: ``core.testing.cpu.parallel_sizes``), then reseed megatron's
-    RNG tracker."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from core.testing.cpu import parallel_sizes
+    """megatron's parallel_state for ``layout`` in the current world, RNG reseeded
+    (``core.testing.cpu.init_model_parallel_sizes``)."""
+    from core.testing.cpu import init_model_parallel_sizes
 
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"Layout {layout.name} needs {layout.world_size} ranks, world has {world}")
-    vp = layout.vp if layout.vp > 1 else None
-    if parallel_sizes() != (layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, vp):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp, virtual_pipeline_model_parallel_size=vp)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    init_model_parallel_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                              etp=layout.etp, vp=layout.vp if layout.vp > 1 else None, seed=seed)
 
 
 def coordinates() -> dict:
@@ -290,7 +284,7 @@ def layout_config(layout: Layout, fused: bool):
         extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
                      expert_tensor_parallel_size=layout.etp)
     return gdn_config(
-        params_dtype=torch.float16 if layout.fp16 else torch.float32, fused_gated_norm=fused,
+        params_dtype=layout.dtype, fused_gated_norm=fused,
         tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
         pipeline_model_parallel_size=layout.pp, sequence_parallel=layout.sequence_parallel,
         # megatron's GDN refuses packed sequences in deterministic_mode (its torch chunk path)
@@ -503,8 +497,7 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     if layout.sequence_parallel:
         hidden = hidden.chunk(layout.tp, dim=0)[coords["tp"]]
         weight = weight.chunk(layout.tp, dim=0)[coords["tp"]]
-    dtype = torch.float16 if layout.fp16 else torch.float32
-    return [dict(hidden=h.contiguous().to(device, dtype), loss_weight=w.contiguous().to(device),
+    return [dict(hidden=h.contiguous().to(device, layout.dtype), loss_weight=w.contiguous().to(device),
                  packed_seq_params=packed)
             for h, w in zip(hidden.chunk(layout.micro_batches, dim=1),
                             weight.chunk(layout.micro_batches, dim=1))]
@@ -987,4 +980,34 @@ def replica_mismatches(records: list) -> list:
         for name, value in record["params"].items():
             if "initial" in record and torch.equal(value, record["initial"][name]):
                 failures.append(f"rank {record['coords']['rank']} {name}: unchanged by the step")
+    return failures
+
+
+def twin_mismatches(records: list, twin_records: list) -> list:
+    """Two layouts that differ only in how the parameters reach the forward (e.g. gathered in
+    the optimizer step or by DDP's pre-hooks with ``overlap_param_gather``): on every rank, the
+    same coordinates, and every step's gradients and the final parameters bit-identical.
+    Returns the failures (empty: all good)."""
+    failures = []
+    for record, twin in zip(records, twin_records, strict=True):
+        rank = record["coords"]["rank"]
+        if record["coords"] != twin["coords"]:
+            failures.append(f"rank {rank}: coordinates {record['coords']} != {twin['coords']}")
+            continue
+        if len(record["later_grads"]) != len(twin["later_grads"]):
+            failures.append(f"rank {rank}: {1 + len(record['later_grads'])} steps, the twin "
+                            f"{1 + len(twin['later_grads'])}")
+            continue
+        steps = [("step 1", record["grads"], twin["grads"]),
+                 *((f"step {i + 2}", a, b) for i, (a, b) in enumerate(
+                     zip(record["later_grads"], twin["later_grads"]))),
+                 ("parameters", record["params"], twin["params"])]
+        for what, values, twin_values in steps:
+            if values.keys() != twin_values.keys():
+                failures.append(f"rank {rank} {what}: names differ: "
+                                f"{sorted(values.keys() ^ twin_values.keys())}")
+                continue
+            failures.extend(f"rank {rank} {what} {name}: differs from the twin's"
+                            for name, value in values.items()
+                            if not torch.equal(value, twin_values[name]))
     return failures

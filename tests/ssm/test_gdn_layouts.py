@@ -31,7 +31,8 @@ from core.testing.cpu import init_cpu_model_parallel
 from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, MOE_SIZES, REFERENCE, Layout,
                                    case_key, grad_errors, grad_mismatches, layout_config,
                                    make_reference, partial_out_norm_grad, reference_worker,
-                                   replica_mismatches, run_case, spawn_layouts)
+                                   replica_mismatches, run_case, spawn_layouts,
+                                   twin_mismatches)
 
 OVERLAP_PARAM_GATHER_TWINS = (
     Layout("tp2-dp2-overlap-distopt-2steps", tp=2, dp=2, overlap_grad_reduce=True,
@@ -222,17 +223,12 @@ def test_overlapped_param_gather_equals_gather_in_the_optimizer_step(worlds, fus
     parameters gathered in the optimizer step."""
     gathered_in_step, overlapped = (_records(worlds, layout, fused)
                                     for layout in OVERLAP_PARAM_GATHER_TWINS)
-    for a, b in zip(gathered_in_step, overlapped):
-        assert a["coords"] == b["coords"]
-        assert len(a["later_grads"]) == len(b["later_grads"]) == 1
-        for what in ("grads", "params"):
-            assert a[what].keys() == b[what].keys()
-        for name in a["params"]:
-            assert torch.equal(a["grads"][name], b["grads"][name]), name
-            assert torch.equal(a["later_grads"][0][name], b["later_grads"][0][name]), name
-            assert torch.equal(a["params"][name], b["params"][name]), name
-        # the second step's gradients are those of the updated parameters
-        assert not torch.equal(a["later_grads"][0]["out_norm.weight"], a["grads"]["out_norm.weight"])
+    assert len(gathered_in_step) == len(overlapped) == 4
+    assert all(len(record["later_grads"]) == 1 for record in (*gathered_in_step, *overlapped))
+    assert twin_mismatches(gathered_in_step, overlapped) == []
+    for record in gathered_in_step:  # the second step's gradients: of the updated parameters
+        assert not torch.equal(record["later_grads"][0]["out_norm.weight"],
+                               record["grads"]["out_norm.weight"])
 
 
 LAYERNORM_CASES = [(layout, fused) for layout, fused in CASES if layout.model == "gdn-layernorm"]

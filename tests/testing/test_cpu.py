@@ -57,3 +57,30 @@ def test_torch_fsdp2_wrapper_builds_its_mesh_on_the_cpu():
 
     mesh = torch_fsdp2.DeviceMesh.from_group(parallel_state.get_data_parallel_group(), "cuda")
     assert mesh.device_type == "cpu"
+
+
+@pytest.mark.usefixtures("model_parallel_tp1")
+def test_parallel_state_with_the_sizes_asked_for_is_kept_and_reseeded():
+    """Megatron's destroy_model_parallel leaves its gloo groups alive: init_model_parallel_sizes
+    keeps a parallel_state that already has the sizes (the same group objects), reseeds its RNG
+    tracker, and initialises where there is none."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from core.testing.cpu import init_model_parallel_sizes, parallel_sizes
+
+    group = ps.get_tensor_model_parallel_group()
+    assert parallel_sizes() == (1, 1, 1, 1, 1, None)
+    with get_cuda_rng_tracker().fork():
+        first = torch.rand(4)
+    init_model_parallel_sizes(tp=1)
+    assert ps.get_tensor_model_parallel_group() is group
+    with get_cuda_rng_tracker().fork():
+        assert torch.equal(torch.rand(4), first)  # reseeded
+    init_model_parallel_sizes(tp=1, etp=1, ep=1)
+    assert ps.get_tensor_model_parallel_group() is group
+    ps.destroy_model_parallel()
+    assert parallel_sizes() is None
+    init_model_parallel_sizes(tp=1)
+    assert parallel_sizes() == (1, 1, 1, 1, 1, None)
+    assert ps.get_tensor_model_parallel_group() is not group

@@ -48,3 +48,29 @@ def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)
     assert Layout("ok", tp=2, ep=2, sequence_parallel=True, model="gpt-moe").world_size == 2
+
+
+def _twin_record(rank: int = 0, later: int = 1) -> dict:
+    weight = torch.arange(4, dtype=torch.float32)
+    return dict(coords=dict(rank=rank, tp=0), grads={"w": weight.clone()},
+                later_grads=[{"w": weight + 1} for _ in range(later)],
+                params={"w": weight + 2})
+
+
+def test_twin_mismatches_catch_one_ulp_a_missing_step_and_other_coordinates():
+    from core.testing.parallel import twin_mismatches
+
+    assert twin_mismatches([_twin_record()], [_twin_record()]) == []
+    for where in ("grads", "params"):
+        twin = _twin_record()
+        twin[where]["w"][1] = torch.nextafter(twin[where]["w"][1], torch.tensor(9.0))
+        failures = twin_mismatches([_twin_record()], [twin])
+        assert len(failures) == 1 and " w: differs" in failures[0], failures
+    twin = _twin_record()
+    twin["later_grads"][0]["w"][0] += 1
+    assert twin_mismatches([_twin_record()], [twin]) == ["rank 0 step 2 w: differs from the twin's"]
+    assert "2 steps, the twin 3" in twin_mismatches([_twin_record()], [_twin_record(later=2)])[0]
+    assert "coordinates" in twin_mismatches([_twin_record()], [_twin_record(rank=1)])[0]
+    twin = _twin_record()
+    twin["params"]["v"] = twin["params"].pop("w")
+    assert "names differ" in twin_mismatches([_twin_record()], [twin])[0]

@@ -30,6 +30,10 @@ Layer level (``install_cpu_shims()``), all idempotent:
     (~20 s); replaced by a storage copy with the same observable result.
   * Triton's autotuner benchmarks through the GPU driver; on the CPU every config gets the
     same time, so the first config is picked.
+  * Without Transformer Engine, megatron's ``HybridStack`` builds its final norm from
+    ``TENorm`` whatever its spec says (``megatron.core.models.hybrid.hybrid_block``): that
+    name becomes :class:`~core.transformer.rms_norm.LocalNorm`, megatron-core's norm of the
+    config, so a HybridModel built from :func:`core.testing.specs.te_to_local`'s spec trains.
   * ``torch.cpu.device(index)``, a null context: fla-core 0.4 (what a ``megatron-core[dev]``
     install picks) enters it on a host without CUDA, and torch has no such function (fla-core
     0.6 uses a null context there itself).
@@ -214,6 +218,15 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
         logging.getLogger(mrandom.__name__).addFilter(_DropCpuRngWarning())
     if share_storage_copy:
         mrandom._get_share_storage = lambda: _share_storage_copy
+
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        import megatron.core.models.hybrid.hybrid_block as hybrid_block
+
+        from core.transformer.rms_norm import LocalNorm
+
+        hybrid_block.TENorm = LocalNorm
 
     if not has_cuda:
         import triton.runtime.autotuner as autotuner

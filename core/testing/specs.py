@@ -10,10 +10,12 @@ the tests take those real spec trees as they are and build models from them on t
     model = GPTModel(config, transformer_layer_spec=te_to_local(spec), ...)
 
 ``te_to_local`` swaps each TE class for megatron-core's own module with the same role
-(:data:`TE_TO_LOCAL`); the structure of the tree is kept, so two trees that differ only in the
-GDN class build models whose keys differ only if the GDN class changes them. A TE module that
-fuses the input norm (``TELayerNormColumnParallelLinear``) becomes a plain linear layer: such a
-model has no input norm, which is fine for structural comparisons and nothing else.
+(:func:`te_to_local_map`); the structure of the tree is kept, so two trees that differ only in
+the GDN class build models whose keys differ only if the GDN class changes them. TE's linear
+layer that fuses the input norm (``TELayerNormColumnParallelLinear``) becomes
+:class:`NormedColumnParallelLinear`, the config's norm followed by megatron's
+ColumnParallelLinear, so the model computes what the TE model computes (state-dict keys of the
+norm differ from TE's).
 
 ``compare_gdn_swap(a, b)`` asserts that ``b`` is ``a`` with only the GDN class changed, and
 ``spec_fingerprint(spec)`` records a tree's node identities (to show a spec was not mutated);
@@ -28,6 +30,7 @@ import functools
 import importlib
 
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from core.ssm.gated_delta_net import GatedDeltaNet
@@ -61,6 +64,22 @@ def megatron_te_spec_builders():
                 del module.TESpecProvider
 
 
+class NormedColumnParallelLinear(ColumnParallelLinear):
+    """TE's ``TELayerNormColumnParallelLinear`` from megatron-core modules: the config's norm
+    (:class:`~core.transformer.rms_norm.LocalNorm`, ``norm``) over the input, then megatron's
+    ColumnParallelLinear with the same arguments. Under sequence parallelism the norm runs on
+    this rank's tokens before the linear layer gathers them, as TE's does."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        from core.transformer.rms_norm import LocalNorm
+
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm = LocalNorm(config, input_size, eps=config.layernorm_epsilon)
+
+    def forward(self, input_, *args, **kwargs):
+        return super().forward(self.norm(input_), *args, **kwargs)
+
+
 def te_to_local_map() -> dict:
     """TE class (or its stand-in without TE) -> megatron-core's own module of the same role."""
     import megatron.core.extensions.transformer_engine as te
@@ -70,7 +89,7 @@ def te_to_local_map() -> dict:
     from core.transformer.rms_norm import LocalNorm
 
     return {
-        te.TELayerNormColumnParallelLinear: ColumnParallelLinear,
+        te.TELayerNormColumnParallelLinear: NormedColumnParallelLinear,
         te.TEColumnParallelLinear: ColumnParallelLinear,
         te.TERowParallelLinear: RowParallelLinear,
         te.TEDotProductAttention: DotProductAttention,

@@ -198,8 +198,7 @@ def test_gpt_model_keys_unchanged(moe):
 def test_hybrid_model_keys_unchanged():
     config = _config(num_layers=4, linear_attention_freq=None, experimental_attention_variant=None)
     spec = te_to_local(hybrid_stack_spec)
-    kwargs = dict(vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="G*G-",
-                  post_process=False)  # the final norm of HybridStack is TENorm, hard-coded
+    kwargs = dict(vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="G*G-")
     megatron_model = HybridModel(config, spec, **kwargs)
     ours = HybridModel(config, use_fused_gdn(spec), **kwargs)
     assert _gdn_types(megatron_model) == [MegatronGDN] * 2
@@ -208,6 +207,46 @@ def test_hybrid_model_keys_unchanged():
     state_b, sharded_b = _keys(ours)
     assert state_a == state_b
     assert sharded_a == sharded_b
+
+
+@pytest.mark.cpu_shims
+def test_hybrid_model_with_gdn_mtp_trains_as_unfused():
+    """A HybridModel whose pattern puts GDN layers in the decoder and in its multi-token
+    prediction depth ("G*G-/G-"), built from use_fused_gdn of megatron's hybrid stack spec: every
+    GDN layer, the MTP one included, is ours and runs the fused norm, and the loss and every
+    gradient (the MTP loss's included) equal the flag-off model's within fp32 rounding."""
+    from core.testing.gdn import counting_fused_norm_calls
+
+    spec = use_fused_gdn(te_to_local(hybrid_stack_spec))
+
+    def build(fused):
+        config = _config(linear_attention_freq=None, experimental_attention_variant=None,
+                         fused_gated_norm=fused, mtp_num_layers=1)
+        return HybridModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                           hybrid_layer_pattern="G*G-/G-")
+
+    model, unfused = build(True), build(False)
+    unfused.load_state_dict(model.state_dict())
+    gdn_names = [name for name, m in model.named_modules() if isinstance(m, MegatronGDN)]
+    assert gdn_names == ["decoder.layers.0.self_attention", "decoder.layers.2.self_attention",
+                         "mtp.layers.0.mtp_model_layer.layers.0.self_attention"]
+    assert _gdn_types(model) == [GatedDeltaNet] * 3
+    assert_fused_gdn(model)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with counting_fused_norm_calls() as calls:
+        loss = model(ids, positions, attention_mask=mask, labels=ids)
+    assert len(calls) == 3
+    expected = unfused(ids, positions, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    expected.sum().backward()
+    grads = dict(unfused.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    mtp_out_norm = model.get_parameter(gdn_names[2] + ".out_norm.weight")
+    assert mtp_out_norm.grad.abs().sum() > 0  # the MTP loss reaches the MTP layer's norm
 
 
 # --- assert_fused_gdn ------------------------------------------------------------------------

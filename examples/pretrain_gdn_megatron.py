@@ -12,11 +12,15 @@
                                                                has complete command lines)
 
 Everything is megatron's except three functions, written as megatron 0.19's pretrain_gpt.py
-writes them: the model is a ``GPTModelConfig`` (megatron's ``gpt_config_from_args``) whose
-transformer config is ``core.training.transformer_config_from_args(args)`` and whose layer spec is
-megatron's GDN block spec passed through ``core.models.gdn_specs.use_fused_gdn``
-(:func:`gdn_block_spec`; ``--spec MODULE NAME``, megatron's option, passes that spec through it
-instead; a post-wrap hook runs ``assert_fused_gdn`` on the built model);
+and pretrain_hybrid.py write them: the model is a ``GPTModelConfig`` (megatron's
+``gpt_config_from_args``) whose transformer config is
+``core.training.transformer_config_from_args(args)`` and whose layer spec is megatron's GDN block
+spec passed through ``core.models.gdn_specs.use_fused_gdn`` (:func:`gdn_block_spec`;
+``--spec MODULE NAME``, megatron's option, passes that spec through it instead), or, with
+``--hybrid-layer-pattern`` (its 'G' layers are the GDN; multi-token prediction after '/'),
+a ``HybridModelConfig`` (``hybrid_config_from_args``) with megatron's hybrid stack spec through
+``use_fused_gdn`` (:func:`gdn_hybrid_stack_spec`); a post-wrap hook runs ``assert_fused_gdn`` on
+the built model;
 :func:`forward_step` (megatron's TP broadcast of the batch to the first and last pipeline
 stage, its split over context-parallel ranks, masked token loss) and
 :func:`train_valid_test_datasets_provider` (megatron's ``BlendedMegatronDatasetBuilder`` with
@@ -35,7 +39,8 @@ Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cp
 (``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
 ``--use-cpu-initialization``, which it asks for before training: the flags of
 examples/run_megatron_pairs.py's CPU runs); docs/internals.md lists where megatron's loop
-needs the shims.
+needs the shims. megatron's hybrid stack is made of Transformer Engine modules: the CPU run
+builds it with ``core.testing.specs.te_to_local``'s megatron-core stand-ins.
 """
 
 import json
@@ -72,6 +77,8 @@ from megatron.core.datasets.gpt_dataset import (  # noqa: E402
     MockGPTDataset,
 )
 from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
 from megatron.core.utils import (  # noqa: E402
     get_attr_wrapped_model,
@@ -82,6 +89,7 @@ from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training import set_startup_timestamps  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
     gpt_config_from_args,
+    hybrid_config_from_args,
     pretrain_cfg_container_from_args,
 )
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
@@ -116,18 +124,34 @@ def add_launcher_args(parser):
 
 
 def check_launcher_scope(args) -> None:
-    """This launcher trains a GPT with GDN layers, with the TE implementation only where TE is
-    installed, and without multi-token prediction (which megatron.training's GPT builder cannot
-    build for the GDN variant)."""
-    if args.experimental_attention_variant != "gated_delta_net":
-        raise ValueError("examples/pretrain_gdn_megatron.py trains a GDN hybrid: pass "
+    """This launcher trains a model with GDN layers: a GPT of the gated_delta_net attention
+    variant, without multi-token prediction (which megatron.training's GPT builder cannot build
+    for that variant), or a HybridModel whose pattern has 'G' layers (MTP included), which
+    megatron builds from Transformer Engine modules; the TE implementation only where TE is
+    installed."""
+    if args.hybrid_layer_pattern is not None:
+        if args.experimental_attention_variant is not None:
+            raise ValueError(
+                "--hybrid-layer-pattern builds megatron's HybridModel, whose 'G' layers are the "
+                "GDN: leave out --experimental-attention-variant (the GPT model's GDN layers)")
+        if "G" not in args.hybrid_layer_pattern:
+            raise ValueError(f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r} has no GDN "
+                             "layer ('G'): nothing for --fused-gated-norm to act on")
+        if HAS_CUDA and not HAVE_TE:
+            raise ValueError("--hybrid-layer-pattern: megatron's HybridModel needs Transformer "
+                             "Engine (its hybrid stack spec and its final norm are TE modules), "
+                             "which is not installed")
+    elif args.experimental_attention_variant != "gated_delta_net":
+        raise ValueError("examples/pretrain_gdn_megatron.py trains a model with GDN layers: pass "
                          "--experimental-attention-variant gated_delta_net (and "
-                         "--linear-attention-freq)")
-    if args.mtp_num_layers:
+                         "--linear-attention-freq), or a --hybrid-layer-pattern with 'G' layers")
+    elif args.mtp_num_layers:
         raise ValueError(
             "--mtp-num-layers: megatron.training 0.19's GPTModelConfig builds the MTP block from "
             "get_gpt_decoder_layer_specs, which refuses the gated_delta_net attention variant "
-            "(an AssertionError after the model build starts); this launcher trains without MTP"
+            "(an AssertionError after the model build starts). Multi-token prediction with GDN "
+            "layers trains as megatron's HybridModel: --hybrid-layer-pattern with the MTP "
+            "depths after '/', e.g. 'GGG*/G-'"
         )
     if not HAS_CUDA:  # the CPU run (core.testing.cpu's shims)
         needs = [flag for flag, ok in (
@@ -144,7 +168,7 @@ def check_launcher_scope(args) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: megatron's GPTModelConfig with the GDN block spec passed through use_fused_gdn
+# Model: megatron's GPTModelConfig or HybridModelConfig, its spec passed through use_fused_gdn
 # ----------------------------------------------------------------------------------------------
 
 
@@ -176,17 +200,35 @@ def check_fused_gdn(model_chunks):
     return model_chunks
 
 
+def gdn_hybrid_stack_spec(spec=None):
+    """``use_fused_gdn`` of ``spec`` (``--spec``) or megatron's ``hybrid_stack_spec``: its 'G'
+    layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths. The
+    CPU run swaps its TE modules for megatron-core's (``core.testing.specs.te_to_local``)."""
+    spec = hybrid_stack_spec if spec is None else spec
+    if not HAS_CUDA:
+        from core.testing.specs import te_to_local
+
+        spec = te_to_local(spec)
+    return use_fused_gdn(spec)
+
+
 def model_config_from_args(args):
-    """megatron's GPTModelConfig from the command line, with our transformer config and spec:
-    ``--spec`` (megatron's: a spec or spec function by module and name) through
-    ``use_fused_gdn``, else :func:`gdn_block_spec`."""
-    model_config = gpt_config_from_args(args, config=transformer_config_from_args(args))
-    if args.spec is None:
-        model_config.transformer_layer_spec = gdn_block_spec
-    elif model_config.transformer_layer_spec is None:  # megatron logs the import error and goes on
+    """megatron's model config from the command line, with our transformer config and spec.
+    ``--hybrid-layer-pattern``: a HybridModelConfig with :func:`gdn_hybrid_stack_spec`. Else a
+    GPTModelConfig with ``--spec`` (megatron's: a spec or spec function by module and name)
+    through ``use_fused_gdn``, or :func:`gdn_block_spec`."""
+    config = transformer_config_from_args(args)
+    hybrid = args.hybrid_layer_pattern is not None
+    model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=config)
+    spec_field = "hybrid_stack_spec" if hybrid else "transformer_layer_spec"
+    spec = getattr(model_config, spec_field)  # megatron's import of --spec, else None
+    if args.spec is not None and spec is None:  # megatron logs the import error and goes on
         raise ValueError(f"--spec {' '.join(args.spec)}: megatron could not import it")
+    if hybrid:
+        spec = gdn_hybrid_stack_spec(spec)
     else:
-        model_config.transformer_layer_spec = use_fused_gdn(model_config.transformer_layer_spec)
+        spec = gdn_block_spec if spec is None else use_fused_gdn(spec)
+    setattr(model_config, spec_field, spec)
     model_config.post_wrap_hooks.append(check_fused_gdn)
     return model_config
 
@@ -239,14 +281,17 @@ train_valid_test_datasets_provider.is_distributed = True
 _RECORDS: list[dict] = []  # one per training micro-batch
 
 
-def get_batch(data_iterator, vp_stage=None):
+def get_batch(data_iterator, config, vp_stage=None):
     """This rank's micro-batch: read on TP rank 0 and broadcast over TP (the first pipeline stage
-    gets the tokens, the last the labels, a middle stage nothing), then megatron's
-    load-balanced split over context-parallel ranks."""
+    gets the tokens, the last the labels, a stage with multi-token prediction both, another
+    stage nothing), then megatron's load-balanced split over context-parallel ranks."""
     args = get_args()
     first = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if not (first or last):
+    mtp = mtp_on_this_rank(layout=config.pipeline_model_parallel_layout,
+                           mtp_num_layers=config.mtp_num_layers, ignore_virtual=False,
+                           vp_stage=vp_stage)
+    if not (first or last or mtp):
         return None, None, None, None, None
     batch = {}
     if mpu.get_tensor_model_parallel_rank() == 0:
@@ -264,7 +309,7 @@ def get_batch(data_iterator, vp_stage=None):
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=first,
         is_pipeline_last_stage=last,
@@ -295,7 +340,8 @@ def loss_func(loss_mask: torch.Tensor, record, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, get_attr_wrapped_model(model, "config"), vp_stage)
     record = None
     # one record per training micro-batch, where its loss is computed (the last pipeline stage)
     if (model.training and get_args().gdn_metrics_out
@@ -337,6 +383,8 @@ def write_metrics(path: str) -> None:
         "data_parallel_size": args.data_parallel_size,
         "expert_model_parallel_size": args.expert_model_parallel_size,
         "num_experts": args.num_experts,
+        "hybrid_layer_pattern": args.hybrid_layer_pattern,
+        "mtp_num_layers": args.mtp_num_layers,
         "global_batch_size": args.global_batch_size,
         "seq_length": args.seq_length,
         "loaded_iteration": args.iteration if args.load else None,

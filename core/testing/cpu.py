@@ -31,9 +31,10 @@ Layer level (``install_cpu_shims()``), all idempotent:
   * Triton's autotuner benchmarks through the GPU driver; on the CPU every config gets the
     same time, so the first config is picked.
   * Without Transformer Engine, megatron's ``HybridStack`` builds its final norm from
-    ``TENorm`` whatever its spec says (``megatron.core.models.hybrid.hybrid_block``): that
-    name becomes :class:`~core.transformer.rms_norm.LocalNorm`, megatron-core's norm of the
-    config, so a HybridModel built from :func:`core.testing.specs.te_to_local`'s spec trains.
+    ``TENorm`` whatever its spec says, and ``SelfAttention`` its q/k norms where the spec
+    leaves them unset (:data:`TE_NORM_FALLBACK_MODULES`): that name becomes
+    :class:`~core.transformer.rms_norm.LocalNorm`, the config's norm from megatron-core
+    modules, so a HybridModel built from :func:`core.testing.specs.te_to_local`'s spec trains.
   * ``torch.cpu.device(index)``, a null context: fla-core 0.4 (what a ``megatron-core[dev]``
     install picks) enters it on a host without CUDA, and torch has no such function (fla-core
     0.6 uses a null context there itself).
@@ -173,6 +174,12 @@ def unwrap_compiled(namespace) -> dict:
     return saved
 
 
+# megatron modules that build a TENorm whatever the spec says (HybridStack's final norm) or
+# where the spec leaves a norm unset (SelfAttention's q/k norms with qk_layernorm).
+TE_NORM_FALLBACK_MODULES = ("megatron.core.models.hybrid.hybrid_block",
+                            "megatron.core.transformer.attention")
+
+
 def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
                       training_loop: bool = False) -> None:
     """Install the layer-level shims listed in the module docstring (and, with
@@ -222,11 +229,10 @@ def _install_layer_shims(share_storage_copy: bool) -> None:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     if not HAVE_TE:
-        import megatron.core.models.hybrid.hybrid_block as hybrid_block
-
         from core.transformer.rms_norm import LocalNorm
 
-        hybrid_block.TENorm = LocalNorm
+        for name in TE_NORM_FALLBACK_MODULES:
+            importlib.import_module(name).TENorm = LocalNorm
 
     if not has_cuda:
         import triton.runtime.autotuner as autotuner

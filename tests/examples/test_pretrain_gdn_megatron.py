@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,7 +260,13 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
     ((), ("--deterministic-mode", "--distributed-backend"),
      "without a GPU the launcher runs on the CPU, which needs --deterministic-mode (megatron's "
      "torch chunk rule"),
-], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags"])
+    (("--hybrid-layer-pattern", "G*G-"), ("--num-layers",),
+     "--hybrid-layer-pattern builds megatron's HybridModel, whose 'G' layers are the GDN: leave "
+     "out --experimental-attention-variant"),
+    (("--hybrid-layer-pattern", "*-*-"), ("--num-layers", "--experimental-attention-variant"),
+     "--hybrid-layer-pattern '*-*-' has no GDN layer ('G')"),
+], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags",
+        "hybrid_and_gpt_variant", "hybrid_without_gdn"])
 def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     from core.models.gdn_specs import HAVE_TE
 
@@ -268,6 +275,39 @@ def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     proc, metrics = _launch(tmp_path, *extra, drop=drop)
     assert proc.returncode != 0 and not metrics.exists()
     assert message in proc.stdout + proc.stderr
+
+
+# megatron's HybridModel: the layers come from the pattern, the GDN ones are its 'G' layers
+HYBRID_DROP = ("--experimental-attention-variant", "--linear-attention-freq", "--num-layers")
+
+
+def _logged_mtp_losses(stdout: str) -> list:
+    """The "mtp_1 loss" of each iteration in megatron's log lines (7 significant digits)."""
+    return [float(v) for v in re.findall(r"mtp_1 loss: ([0-9.E+-]+)", stdout)]
+
+
+@pytest.mark.interpreter_backward
+def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path):
+    """--hybrid-layer-pattern 'G*G-/G-': megatron's HybridModel (HybridModelConfig, hybrid stack
+    spec through use_fused_gdn) with a multi-token prediction depth holding a GDN layer, at TP 2
+    with sequence parallelism. With the flag every GDN layer (the MTP one included) is fused,
+    and the first iteration's main and MTP losses equal the flag-off run's within fp32 rounding
+    (and megatron's 7-digit log of the MTP loss)."""
+    runs = {}
+    for fused in (True, False):
+        flag = ("--fused-gated-norm",) if fused else ()
+        proc, metrics = _launch(tmp_path, *flag, "--hybrid-layer-pattern", "G*G-/G-",
+                                "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                drop=HYBRID_DROP, iterations=2, warmup=1, nproc=2,
+                                metrics=f"fused{fused}.json")
+        summary = json.loads(metrics.read_text()) if proc.returncode == 0 else None
+        runs[fused] = _losses(proc, metrics), _logged_mtp_losses(proc.stdout)
+        assert (summary["hybrid_layer_pattern"], summary["mtp_num_layers"]) == ("G*G-/G-", 1)
+        assert (summary["gdn_layers"], summary["gdn_layers_fused"]) == (3, 3 if fused else 0)
+    (main_on, mtp_on), (main_off, mtp_off) = runs[True], runs[False]
+    assert len(mtp_on) == len(mtp_off) == 2, runs
+    assert abs(main_on[0] - main_off[0]) <= fp32_loss_tolerance(main_off[0]), runs
+    assert abs(mtp_on[0] - mtp_off[0]) <= fp32_loss_tolerance(mtp_off[0]) + 1e-6 * mtp_off[0], runs
 
 
 @pytest.mark.interpreter_backward

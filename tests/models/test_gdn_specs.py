@@ -130,6 +130,46 @@ def test_hybrid_block_with_moe_mlps_matches_unfused():
     torch.testing.assert_close(grads[0], grads[1])
 
 
+@pytest.mark.cpu_shims
+def test_gpt_model_with_mtp_from_the_hybrid_block_matches_unfused():
+    """A GPTModel with multi-token prediction, its MTP block from megatron's
+    get_gpt_mtp_block_spec over our block spec (the MTP layer is the decoder's last, attention
+    here: megatron 0.19's MTP layer accepts only attention mixers): with the flag the decoder's
+    GDN layer runs the fused norm, and the loss and every gradient, the MTP loss's included,
+    equal the flag-off model's within fp32 rounding."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from core.testing.gdn import counting_fused_norm_calls
+
+    def build(fused):
+        config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                            fused_gated_norm=fused, mtp_num_layers=1)
+        block = get_gdn_hybrid_block_spec(config)
+        return GPTModel(config, transformer_layer_spec=block, vocab_size=64,
+                        max_sequence_length=16,
+                        mtp_block_spec=get_gpt_mtp_block_spec(config, block,
+                                                              use_transformer_engine=False))
+
+    model, unfused = build(True), build(False)
+    unfused.load_state_dict(model.state_dict())
+    assert type(model.mtp.layers[0].mtp_model_layer.self_attention).__name__ == "SelfAttention"
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(16).expand(2, 16)
+    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
+    with counting_fused_norm_calls() as calls:
+        loss = model(ids, positions, attention_mask=mask, labels=ids)
+    assert len(calls) == 1
+    expected = unfused(ids, positions, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    expected.sum().backward()
+    grads = dict(unfused.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0  # the MTP loss's gradient
+
+
 # --- built on megatron's own spec functions ---------------------------------------------------
 
 

@@ -10,7 +10,11 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
     softmax attention), for pipeline parallelism (with virtual stages: one model chunk per
     stage, megatron's interleaved schedule);
   * ``"gpt-moe"``: the same with MoE MLPs in every layer (:data:`MOE_SIZES`, as Qwen3-Next),
-    for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks).
+    for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks);
+  * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
+    TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
+    pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
+    depth (one pipeline stage: megatron moves the MTP stage's embedding copy with ``.cuda()``).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -30,14 +34,14 @@ parameters on every rank holding the same shard; every rank holding a replicated
 as the GDN out_norm weight holds the same bits).
 
 Loss: megatron's legacy ``(loss, report)`` form, ``sum(output * weight)`` for the GDN module
-(a fixed random ``weight``), the summed per-token cross entropy for the GPT model. The schedule
+(a fixed random ``weight``), the summed per-token cross entropy for the GPT and hybrid models. The schedule
 multiplies it by the CP size and divides by the micro-batch count, DDP averages over DP x CP:
 a rank's expected gradient is the reference gradient / DP (:func:`run_case`).
 
 Data layouts: sbhd [S, B, H] for the GDN module (DP splits B; CP takes megatron's load-balanced
 chunks, ``get_batch_on_this_cp_rank``; sequence parallelism splits S over TP), packed THD
 (B = 1, several sequences, ``PackedSeqParams(qkv_format='thd')``; CP takes each sequence's
-load-balanced chunks, :func:`thd_cp_indices`), token ids [B, S] for the GPT model.
+load-balanced chunks, :func:`thd_cp_indices`), token ids [B, S] for the GPT and hybrid models.
 
 On the CPU (gloo) call ``core.testing.cpu.install_cpu_shims(training=True)`` and
 ``install_cpu_fla_stand_ins()`` first (:func:`layout_worker` does); on CUDA the same code runs
@@ -65,6 +69,8 @@ SEQ = 32          # divisible by 2 x CP x TP of every layout (load-balanced CP c
 BATCH = 2         # sbhd batch (DP 2 gives one sample per rank); GPT: one micro-batch per sample
 PACKED_SEQLENS = (8, 12, 12)  # THD: three sequences, B = 1; each divisible by 2 x CP
 GPT_LAYERS = 4    # linear_attention_freq 4: layers 0-2 GDN, layer 3 attention
+# "hybrid": GDN, GDN, attention, MLP; one MTP depth of a GDN and an MLP layer
+HYBRID_PATTERN = "GG*-/G-"
 # gpt-moe: 4 experts of 16 (2 per rank at EP 2), top-2 routing without a load-balancing loss
 # and without dropping tokens, megatron's default (all-gather) token dispatcher: its all-to-all
 # dispatcher creates a CUDA stream at construction.
@@ -79,9 +85,10 @@ OVERLAP_BUCKET_SIZE = 1
 # max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
 FP32_TOLERANCE = 1e-5
 # The GDN decay parameters' gradients are sums over tokens with heavy cancellation: at TP 1, a
-# 1e-7 relative change of the GPT model's weights moves them by up to 3.3e-5, and TP 2 (other
-# summation orders) by up to 3.5e-5. A wrong reduction (missing, doubled) is off by O(1).
-DECAY_PARAM_TOLERANCE = 2e-4
+# 1e-7 relative change of the weights moves them by up to 3.3e-5 in the GPT model and 1.9e-4 in
+# the hybrid model's MTP layer (whose loss megatron scales by 0.1), and TP 2 (other summation
+# orders) by up to 3.5e-5 and 2.0e-4. A wrong reduction (missing, doubled) is off by O(1).
+DECAY_PARAM_TOLERANCE = 1e-3
 DECAY_PARAMS = ("A_log", "dt_bias")
 # fp16 layouts against the fp32 reference: fp16's own rounding (1e-3 to 1.6e-3 at TP 1 and 2,
 # every parameter); a wrong reduction is still off by O(1).
@@ -123,8 +130,8 @@ class Layout:
                                          # finalize_model_grads divides by the global token count
     steps: int = 1                       # training steps (the gradients of the first are compared
                                          # with the reference; later ones, with a twin layout's)
-    model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm") or a GPTModel
-                                         # ("gpt", "gpt-moe")
+    model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm"), a GPTModel
+                                         # ("gpt", "gpt-moe") or a HybridModel ("hybrid")
     ep: int = 1                          # expert parallelism ("gpt-moe")
     vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT models)
     etp: int = 1                         # expert tensor parallelism ("gpt-moe")
@@ -132,11 +139,13 @@ class Layout:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
-        if self.pp > 1 and self.single_gdn:
-            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a GPTModel)")
+        if self.pp > 1 and self.model not in ("gpt", "gpt-moe"):
+            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a "
+                             "GPTModel; the hybrid model's MTP stage copies its embedding with "
+                             ".cuda())")
         if not self.single_gdn and (self.cp > 1 or self.packed or BATCH % self.dp):
-            raise ValueError(f"Layout {self.name}: the GPT models run with TP, PP, EP and DP "
-                             f"dividing their {BATCH} micro-batches")
+            raise ValueError(f"Layout {self.name}: the GPT and hybrid models run with TP, PP, EP "
+                             f"and DP dividing their {BATCH} micro-batches")
         if (self.ep > 1 or self.etp > 1) and (self.model != "gpt-moe"
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
@@ -165,7 +174,7 @@ class Layout:
             raise ValueError(f"Layout {self.name}: per_token_loss is the GDN module's loss")
         if self.steps < 1:
             raise ValueError(f"Layout {self.name}: steps must be >= 1")
-        if self.full_recompute and (self.single_gdn or self.recompute):
+        if self.full_recompute and (self.model not in ("gpt", "gpt-moe") or self.recompute):
             raise ValueError(f"Layout {self.name}: full_recompute needs a GPT model and no "
                              "selective recompute")
 
@@ -194,11 +203,12 @@ class Layout:
         return "tokens" if not self.single_gdn else ("thd" if self.packed else "sbhd")
 
 
-MODELS = ("gdn", "gdn-layernorm", "gpt", "gpt-moe")
+MODELS = ("gdn", "gdn-layernorm", "gpt", "gpt-moe", "hybrid")
 REFERENCE = {"gdn": Layout("reference"),
              "gdn-layernorm": Layout("reference-layernorm", model="gdn-layernorm"),
              "gpt": Layout("reference-gpt", model="gpt"),
-             "gpt-moe": Layout("reference-gpt-moe", model="gpt-moe")}
+             "gpt-moe": Layout("reference-gpt-moe", model="gpt-moe"),
+             "hybrid": Layout("reference-hybrid", model="hybrid")}
 
 
 def case_key(layout: Layout, fused: bool) -> str:
@@ -280,6 +290,9 @@ def layout_config(layout: Layout, fused: bool):
             extra.update(pipeline_dtype=torch.float32)
         if layout.vp > 1:
             extra.update(virtual_pipeline_model_parallel_size=layout.vp)
+    if layout.model == "hybrid":  # the layers come from HYBRID_PATTERN
+        extra.update(experimental_attention_variant=None, linear_attention_freq=None,
+                     mtp_num_layers=1)
     if layout.model == "gpt-moe":
         extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
                      expert_tensor_parallel_size=layout.etp)
@@ -304,14 +317,17 @@ def vp_stages(layout: Layout) -> tuple:
 
 def build_model(layout: Layout, config, seed: Optional[int] = None,
                 vp_stage: Optional[int] = None) -> torch.nn.Module:
-    """This rank's model: the GatedDeltaNet module, or this pipeline stage of the GPT model
-    (``vp_stage``: that virtual stage of it)."""
+    """This rank's model: the GatedDeltaNet module, this pipeline stage of the GPT model
+    (``vp_stage``: that virtual stage of it), or the hybrid model."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.enums import ModelType
 
-    from core.models.gdn_specs import get_gdn_hybrid_block_spec
+    from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
     from core.testing.gdn import _reseed, build_gdn_module
+    from core.testing.specs import te_to_local
 
     if layout.single_gdn:
         module = build_gdn_module(config, seed=seed)
@@ -320,6 +336,9 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         module.set_input_tensor = _no_input_tensor
         return module
     _reseed(seed)
+    if layout.model == "hybrid":
+        return HybridModel(config, use_fused_gdn(te_to_local(hybrid_stack_spec)), vocab_size=VOCAB,
+                           max_sequence_length=SEQ, hybrid_layer_pattern=HYBRID_PATTERN)
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage),
@@ -754,7 +773,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
 REFERENCE_CASES = tuple((model, data, fused) for model, datas in (("gdn", ("sbhd", "thd")),
                                                                    ("gdn-layernorm", ("sbhd",)),
                                                                    ("gpt", ("tokens",)),
-                                                                   ("gpt-moe", ("tokens",)))
+                                                                   ("gpt-moe", ("tokens",)),
+                                                                   ("hybrid", ("tokens",)))
                         for data in datas for fused in REFERENCE[model].flag_values)
 
 

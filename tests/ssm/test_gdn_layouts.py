@@ -1,4 +1,5 @@
-"""The layout matrix on the CPU (gloo, spawned processes): GDN models under TP, SP, CP, packed
+"""The layout matrix on the CPU (gloo, spawned processes): GDN models (a GPTModel's and a
+HybridModel's, MTP included) under TP, SP, CP, packed
 sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer, torch FSDP2,
 selective and full recompute, and what megatron's training loop adds around a step
 (micro-batches, overlapping grad reduce and param gather, per-token loss, fp16 loss scaling),
@@ -64,6 +65,8 @@ WORLDS = {
         Layout("gpt-tp2-full-recompute", tp=2, full_recompute=True, model="gpt"),
         # fp16 parameters with megatron's dynamic loss scaler (the gradients hold the scale)
         Layout("tp2-fp16", tp=2, fp16=True),
+        # megatron's HybridModel, GDN layers in the decoder and in its multi-token prediction
+        Layout("hybrid-tp2-sp", tp=2, sequence_parallel=True, model="hybrid"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -104,6 +107,8 @@ WORLDS = {
         # DDP averaging in the collective (ReduceOp.AVG) with the distributed optimizer
         Layout("tp2-dp2-avg-in-collective-distopt", tp=2, dp=2, average_in_collective=True,
                distributed_optimizer=True),
+        # the hybrid model with SP off: the module scales the partial dW, the MTP layer's too
+        Layout("hybrid-tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True, model="hybrid"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()

@@ -41,9 +41,11 @@ def test_global_name_shifts_layers_and_experts():
      "steps > 1"),
     (dict(pp=2, per_token_loss=True, model="gpt"), "per_token_loss is the GDN module's loss"),
     (dict(steps=0), "steps must be >= 1"),
+    (dict(pp=2, model="hybrid"), "pp > 1 needs a GPT model"),
+    (dict(tp=2, full_recompute=True, model="hybrid"), "full_recompute needs a GPT model"),
 ], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
         "vp-without-pp", "vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
-        "per-token-gpt", "no-steps"])
+        "per-token-gpt", "no-steps", "hybrid-pp", "hybrid-full-recompute"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)

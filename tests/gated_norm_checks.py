@@ -8,6 +8,9 @@ by the CPU tests and the GPU checks of the kernels, the inference entry and the 
   at most the unfused one's plus 1 % (dW is summed in another, fixed order).
 - ``fp32_loss_tolerance``: how far the fp32 losses of a model run flag on and flag off may
   be apart after a few steps.
+- ``assert_language_model_matches_unfused``: a language model (GPTModel, HybridModel) with the
+  flag on against the same weights with it off, one forward and backward: loss and every
+  gradient within fp32 rounding.
 - ``RecordOps``: the torch ops a block runs (a host path that should run none, or no copy).
 """
 
@@ -92,3 +95,27 @@ class RecordOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+
+def assert_language_model_matches_unfused(model, unfused, vocab: int, seq: int,
+                                          seed: int) -> int:
+    """``model`` (flag on) and ``unfused`` (flag off, given ``model``'s weights here) on the same
+    causal batch of two sequences of ``seq`` tokens, the labels the inputs: the per-token losses
+    (multi-token prediction losses enter the backward inside the model) and every parameter's
+    gradient agree within fp32 rounding. Returns how many fused norms the forward ran."""
+    from core.testing.gdn import counting_fused_norm_calls
+
+    unfused.load_state_dict(model.state_dict())
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(seq).expand(2, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    with counting_fused_norm_calls() as calls:
+        loss = model(ids, positions, attention_mask=mask, labels=ids)
+    expected = unfused(ids, positions, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    expected.sum().backward()
+    grads = dict(unfused.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    return len(calls)

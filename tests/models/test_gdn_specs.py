@@ -21,6 +21,7 @@ from core.models import gdn_specs
 from core.ssm import GatedDeltaNet
 from core.testing.gdn import gdn_config
 from core.transformer import LocalNorm, RMSNorm
+from tests.gated_norm_checks import assert_language_model_matches_unfused
 
 pytestmark = pytest.mark.usefixtures("model_parallel_tp1")
 
@@ -115,19 +116,10 @@ def test_hybrid_block_with_moe_mlps_matches_unfused():
         return GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
                         vocab_size=64, max_sequence_length=16)
 
-    model, unfused = build(True), build(False)
-    unfused.load_state_dict(model.state_dict())
+    model = build(True)
     assert [type(l.mlp).__name__ for l in model.decoder.layers] == ["MoELayer", "MLP"]
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-    losses = [m(ids, torch.arange(16).expand(2, 16), attention_mask=mask, labels=ids)
-              for m in (model, unfused)]
-    for loss in losses:
-        loss.mean().backward()
-    torch.testing.assert_close(losses[0], losses[1])
-    grads = [m.decoder.layers[0].self_attention.out_norm.weight.grad for m in (model, unfused)]
-    assert grads[0].abs().sum() > 0
-    torch.testing.assert_close(grads[0], grads[1])
+    assert assert_language_model_matches_unfused(model, build(False), vocab=64, seq=16, seed=1) == 1
+    assert model.decoder.layers[0].self_attention.out_norm.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.cpu_shims
@@ -140,8 +132,6 @@ def test_gpt_model_with_mtp_from_the_hybrid_block_matches_unfused():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from core.testing.gdn import counting_fused_norm_calls
-
     def build(fused):
         config = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
                             fused_gated_norm=fused, mtp_num_layers=1)
@@ -151,22 +141,9 @@ def test_gpt_model_with_mtp_from_the_hybrid_block_matches_unfused():
                         mtp_block_spec=get_gpt_mtp_block_spec(config, block,
                                                               use_transformer_engine=False))
 
-    model, unfused = build(True), build(False)
-    unfused.load_state_dict(model.state_dict())
+    model = build(True)
     assert type(model.mtp.layers[0].mtp_model_layer.self_attention).__name__ == "SelfAttention"
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
-    positions = torch.arange(16).expand(2, 16)
-    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-    with counting_fused_norm_calls() as calls:
-        loss = model(ids, positions, attention_mask=mask, labels=ids)
-    assert len(calls) == 1
-    expected = unfused(ids, positions, attention_mask=mask, labels=ids)
-    torch.testing.assert_close(loss, expected)
-    loss.sum().backward()
-    expected.sum().backward()
-    grads = dict(unfused.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    assert assert_language_model_matches_unfused(model, build(False), vocab=64, seq=16, seed=2) == 1
     assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0  # the MTP loss's gradient
 
 

@@ -24,6 +24,7 @@ from core.testing.specs import (
     spec_fingerprint,
     te_to_local,
 )
+from tests.gated_norm_checks import assert_language_model_matches_unfused
 
 VOCAB, SEQ = 64, 16
 
@@ -215,8 +216,6 @@ def test_hybrid_model_with_gdn_mtp_trains_as_unfused():
     prediction depth ("G*G-/G-"), built from use_fused_gdn of megatron's hybrid stack spec: every
     GDN layer, the MTP one included, is ours and runs the fused norm, and the loss and every
     gradient (the MTP loss's included) equal the flag-off model's within fp32 rounding."""
-    from core.testing.gdn import counting_fused_norm_calls
-
     spec = use_fused_gdn(te_to_local(hybrid_stack_spec))
 
     def build(fused):
@@ -225,26 +224,13 @@ def test_hybrid_model_with_gdn_mtp_trains_as_unfused():
         return HybridModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                            hybrid_layer_pattern="G*G-/G-")
 
-    model, unfused = build(True), build(False)
-    unfused.load_state_dict(model.state_dict())
+    model = build(True)
     gdn_names = [name for name, m in model.named_modules() if isinstance(m, MegatronGDN)]
     assert gdn_names == ["decoder.layers.0.self_attention", "decoder.layers.2.self_attention",
                          "mtp.layers.0.mtp_model_layer.layers.0.self_attention"]
     assert _gdn_types(model) == [GatedDeltaNet] * 3
     assert_fused_gdn(model)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(SEQ).expand(2, SEQ)
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    with counting_fused_norm_calls() as calls:
-        loss = model(ids, positions, attention_mask=mask, labels=ids)
-    assert len(calls) == 3
-    expected = unfused(ids, positions, attention_mask=mask, labels=ids)
-    torch.testing.assert_close(loss, expected)
-    loss.sum().backward()
-    expected.sum().backward()
-    grads = dict(unfused.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    assert assert_language_model_matches_unfused(model, build(False), VOCAB, SEQ, seed=3) == 3
     mtp_out_norm = model.get_parameter(gdn_names[2] + ".out_norm.weight")
     assert mtp_out_norm.grad.abs().sum() > 0  # the MTP loss reaches the MTP layer's norm
 

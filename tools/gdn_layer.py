@@ -577,7 +577,7 @@ def tensor_parallel_grads(tp: int) -> dict:
     return summary
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(
         "Megatron's GatedDeltaNet layer (core.ssm.GatedDeltaNet, no Transformer Engine needed) "
         "with FLA's kernels, bf16, fused_gated_norm off vs on, at the GDN shapes of Qwen3-Next: "
@@ -601,33 +601,53 @@ def main(argv=None) -> None:
                              "CPU 64x2); parity and breakdown keep the defaults")
     parser.add_argument("--tp", type=int, default=1,
                         help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; ``parts`` (a list) and ``shapes`` (SEQxBATCH tuples, empty
+    for the defaults) parsed."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1 and (args.cpu or "LOCAL_RANK" not in os.environ):
         parser.error(f"--tp {args.tp} runs on {args.tp} GPUs over NCCL, one process each: start "
                      f"it with torchrun --nproc-per-node {args.tp} (not with --cpu)")
-    if args.tp > 1:
-        from tools.bench_common import environment, write_json
-
-        results = {"env": environment(), "tp": tensor_parallel_grads(args.tp)}
-        if torch.distributed.get_rank() == 0:
-            print(f"wrote {write_json(results, args.out, f'gdn_layer_tp{args.tp}.json')}")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        return
-    parts = args.parts.split(",")
+    args.parts = args.parts.split(",")
     if args.graph_repeats < 1:
         parser.error(f"--graph-repeats {args.graph_repeats}: must be >= 1")
     if args.iters is not None and args.iters < 1:
         parser.error(f"--iters {args.iters}: must be >= 1")
-    if set(parts) - set(PARTS):
-        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    if set(args.parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}")
     shape_texts = args.shapes or []
-    requested_shapes = tuple(tuple(int(n) for n in text.split("x")) for text in shape_texts
-                             if re.fullmatch(r"\d+x\d+", text))
-    if len(requested_shapes) < len(shape_texts) or any(min(s) < 1 for s in requested_shapes):
+    args.shapes = tuple(tuple(int(n) for n in text.split("x")) for text in shape_texts
+                        if re.fullmatch(r"\d+x\d+", text))
+    if len(args.shapes) < len(shape_texts) or any(min(s) < 1 for s in args.shapes):
         parser.error(f"--shapes {' '.join(shape_texts)}: each must be SEQxBATCH, e.g. 4096x1")
+    setup = LayerSetup("cpu", dict(TINY)) if args.cpu else LayerSetup()
+    for heads in args.value_heads or ():
+        try:  # the sizes' own rule, before anything is built
+            setup.with_value_heads(heads)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def run_tensor_parallel(args) -> None:
+    """--tp N: the out_norm dW at TP = N against TP = 1 (one process per GPU)."""
+    from tools.bench_common import environment, write_json
+
+    results = {"env": environment(), "tp": tensor_parallel_grads(args.tp)}
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote {write_json(results, args.out, f'gdn_layer_tp{args.tp}.json')}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def run_parts(args) -> None:
+    """The --parts on one device, written to OUT/gdn_layer.json after each part."""
     if args.cpu:
         from core.testing.cpu import install_cpu_shims
 
@@ -641,12 +661,9 @@ def main(argv=None) -> None:
 
             mjit.disable_jit_fuser()
         setup, shapes, iters = LayerSetup(), GPU_SHAPES, args.iters or 20
-    perf_shapes = requested_shapes or shapes
-    heads = args.value_heads or [setup.sizes["num_value_heads"]]
-    try:
-        per_rank = {h: setup.with_value_heads(h) for h in heads}
-    except ValueError as e:
-        parser.error(str(e))
+    perf_shapes = args.shapes or shapes
+    per_rank = {h: setup.with_value_heads(h)
+                for h in args.value_heads or [setup.sizes["num_value_heads"]]}
     init_single_process(setup)
     if setup.cpu:
         results = {"device": "cpu", "torch": torch.__version__}
@@ -662,33 +679,30 @@ def main(argv=None) -> None:
         with open(path, "w") as f:
             json.dump(results, f, indent=1, default=str)
 
-    if "parity" in parts:
-        results["parity"] = layer_parity(setup, *shapes[0])
-        save()
-
     def case(h: int, seq: int, batch: int, fused: bool) -> str:
         heads = f"H={h} " if h != setup.sizes["num_value_heads"] else ""
         return f"{heads}S={seq} B={batch} {'on' if fused else 'off'}"
 
-    if "perf" in parts:
-        results["perf"] = {}
+    def pairs(part: str, measure) -> None:  # flag off and on per head count and shape
+        results[part] = {}
         for h, rank_setup in per_rank.items():
             for seq, batch in perf_shapes:
-                pair = measure_pair(rank_setup, seq, batch, iters)
+                pair = measure(rank_setup, seq, batch)
                 for fused in (False, True):
-                    results["perf"][case(h, seq, batch, fused)] = pair[fused]
+                    results[part][case(h, seq, batch, fused)] = pair[fused]
                 save()
-    if "graphs" in parts and setup.cpu:
+
+    if "parity" in args.parts:
+        results["parity"] = layer_parity(setup, *shapes[0])
+        save()
+    if "perf" in args.parts:
+        pairs("perf", lambda s, seq, batch: measure_pair(s, seq, batch, iters))
+    if "graphs" in args.parts and setup.cpu:
         results["graphs"] = {"skipped": "megatron's CUDA graphs need a GPU"}
-    elif "graphs" in parts:
-        results["graphs"] = {}
-        for h, rank_setup in per_rank.items():
-            for seq, batch in perf_shapes:
-                pair = measure_graphed_pair(rank_setup, seq, batch, iters, args.graph_repeats)
-                for fused in (False, True):
-                    results["graphs"][case(h, seq, batch, fused)] = pair[fused]
-                save()
-    if "breakdown" in parts:
+    elif "graphs" in args.parts:
+        pairs("graphs", lambda s, seq, batch: measure_graphed_pair(s, seq, batch, iters,
+                                                                   args.graph_repeats))
+    if "breakdown" in args.parts:
         results["breakdown"] = {f"S={seq} B={batch}": breakdown(setup, seq, batch, iters)
                                 for seq, batch in shapes}
         save()
@@ -696,6 +710,13 @@ def main(argv=None) -> None:
         print(line)
     print(f"wrote {path}")
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.tp > 1:
+        run_tensor_parallel(args)
+    else:
+        run_parts(args)
 
 if __name__ == "__main__":
     main()

@@ -56,6 +56,9 @@ writer of ``megatron.core.dist_checkpointing``), and checks
     ``torch.cuda`` has no-op streams and synchronisation; everything else is the real torch.
   * ``TorchFullyShardedDataParallel`` (megatron's torch FSDP2 wrapper) builds its device mesh
     for "cuda": built for the CPU instead.
+  * ``LanguageModule.setup_embeddings_and_output_layer`` moves the embedding copy of a later
+    pipeline stage (the MTP stage's, or a tied output layer's) with ``weight.data.cuda()``
+    before its all-reduce: run with ``Tensor.cuda()`` returning the tensor itself.
   * :func:`cpu_tensor_types`: a context manager (held while the optimizer is built and while it
     steps) in which ``Tensor.type()`` of a CPU tensor reports the CUDA type name, so megatron's
     dtype dispatch picks the same branch as on a GPU.
@@ -374,7 +377,26 @@ def install_cpu_training_shims() -> None:
     torch_fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
     if getattr(torch_fsdp2, "HAVE_FSDP", False):
         torch_fsdp2.DeviceMesh = _CpuDeviceMesh
+    language_module = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module").LanguageModule
+    language_module.setup_embeddings_and_output_layer = _tensors_stay_on_the_cpu(
+        language_module.setup_embeddings_and_output_layer)
     _TRAINING_INSTALLED = True
+
+
+def _tensors_stay_on_the_cpu(method):
+    """``method`` run with ``Tensor.cuda()`` returning the tensor itself."""
+
+    @functools.wraps(method)
+    def on_the_cpu(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *_, **__: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return on_the_cpu
 
 
 class _CpuDeviceMesh:

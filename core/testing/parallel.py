@@ -14,7 +14,7 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
     TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
     pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
-    depth (one pipeline stage: megatron moves the MTP stage's embedding copy with ``.cuda()``).
+    depth (one pipeline stage; the example launcher's tests train it over two).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -140,9 +140,8 @@ class Layout:
         if self.model not in MODELS:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
         if self.pp > 1 and self.model not in ("gpt", "gpt-moe"):
-            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (stages of a "
-                             "GPTModel; the hybrid model's MTP stage copies its embedding with "
-                             ".cuda())")
+            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (the harness maps "
+                             "a GPTModel's stages onto the one-stage model)")
         if not self.single_gdn and (self.cp > 1 or self.packed or BATCH % self.dp):
             raise ValueError(f"Layout {self.name}: the GPT and hybrid models run with TP, PP, EP "
                              f"and DP dividing their {BATCH} micro-batches")
@@ -345,7 +344,7 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         vocab_size=VOCAB, max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        # untied, as Qwen3-Next (and tying needs a CUDA copy in megatron's PP setup)
+        # untied, as Qwen3-Next
         share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 

@@ -287,22 +287,26 @@ def _logged_mtp_losses(stdout: str) -> list:
 
 
 @pytest.mark.interpreter_backward
-def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path):
-    """--hybrid-layer-pattern 'G*G-/G-': megatron's HybridModel (HybridModelConfig, hybrid stack
-    spec through use_fused_gdn) with a multi-token prediction depth holding a GDN layer, at TP 2
-    with sequence parallelism. With the flag every GDN layer (the MTP one included) is fused,
-    and the first iteration's main and MTP losses equal the flag-off run's within fp32 rounding
-    (and megatron's 7-digit log of the MTP loss)."""
+@pytest.mark.parametrize("pattern, layout", [
+    ("G*G-/G-", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    ("G*|G-/G-", ("--pipeline-model-parallel-size", "2")),  # the stages at '|'
+], ids=["tp2-sp", "pp2"])
+def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path, pattern, layout):
+    """--hybrid-layer-pattern: megatron's HybridModel (HybridModelConfig, hybrid stack spec
+    through use_fused_gdn) with a multi-token prediction depth holding a GDN layer, at TP 2 with
+    sequence parallelism, and over two pipeline stages (the last holds the MTP depth, to which
+    the launcher's batch gives the tokens too). With the flag every GDN layer (the MTP one
+    included) is fused, and the first iteration's main and MTP losses equal the flag-off run's
+    within fp32 rounding (and megatron's 7-digit log of the MTP loss)."""
     runs = {}
     for fused in (True, False):
         flag = ("--fused-gated-norm",) if fused else ()
-        proc, metrics = _launch(tmp_path, *flag, "--hybrid-layer-pattern", "G*G-/G-",
-                                "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        proc, metrics = _launch(tmp_path, *flag, "--hybrid-layer-pattern", pattern, *layout,
                                 drop=HYBRID_DROP, iterations=2, warmup=1, nproc=2,
                                 metrics=f"fused{fused}.json")
         summary = json.loads(metrics.read_text()) if proc.returncode == 0 else None
         runs[fused] = _losses(proc, metrics), _logged_mtp_losses(proc.stdout)
-        assert (summary["hybrid_layer_pattern"], summary["mtp_num_layers"]) == ("G*G-/G-", 1)
+        assert (summary["hybrid_layer_pattern"], summary["mtp_num_layers"]) == (pattern, 1)
         assert (summary["gdn_layers"], summary["gdn_layers_fused"]) == (3, 3 if fused else 0)
     (main_on, mtp_on), (main_off, mtp_off) = runs[True], runs[False]
     assert len(mtp_on) == len(mtp_off) == 2, runs

@@ -1,6 +1,7 @@
 """The CPU shims of core.testing.cpu that stand in for what megatron runs on a GPU: FLA's
 convolution and chunked gated delta rule (against FLA's own convolution in the Triton
-interpreter and an independent recurrent rule), and the training shims' CUDA literals."""
+interpreter and an independent recurrent rule), and the training shims' CUDA literals and
+calls."""
 
 import importlib
 
@@ -48,6 +49,27 @@ def test_training_modules_allocate_cuda_literals_on_the_cpu():
     optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
     assert optimizer_module.torch.zeros(2, device="cuda").device == torch.device("cpu")
     assert torch.zeros(2).device == torch.device("cpu")  # the real torch elsewhere
+
+
+def test_embedding_setup_keeps_tensors_on_the_cpu_and_only_there():
+    """LanguageModule.setup_embeddings_and_output_layer runs with Tensor.cuda() returning the
+    tensor itself; Tensor.cuda is megatron's own again after it, also when it raises."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from core.testing.cpu import _tensors_stay_on_the_cpu
+
+    assert LanguageModule.setup_embeddings_and_output_layer.__wrapped__  # the shim is installed
+    cuda, x = torch.Tensor.cuda, torch.ones(2)
+    assert _tensors_stay_on_the_cpu(lambda t: t.cuda())(x) is x
+    assert torch.Tensor.cuda is cuda
+
+    def raises(t):
+        t.cuda()
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError, match="inside"):
+        _tensors_stay_on_the_cpu(raises)(x)
+    assert torch.Tensor.cuda is cuda
 
 
 @pytest.mark.usefixtures("model_parallel_tp1")

@@ -14,7 +14,7 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
     TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
     pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
-    depth (one pipeline stage; the example launcher's tests train it over two).
+    depth (over two pipeline stages: GDN, GDN | attention, MLP and the MTP depth).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -139,9 +139,9 @@ class Layout:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
-        if self.pp > 1 and self.model not in ("gpt", "gpt-moe"):
-            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT model (the harness maps "
-                             "a GPTModel's stages onto the one-stage model)")
+        if self.pp > 1 and self.single_gdn:
+            raise ValueError(f"Layout {self.name}: pp > 1 needs a GPT or hybrid model (stages "
+                             "of a model)")
         if not self.single_gdn and (self.cp > 1 or self.packed or BATCH % self.dp):
             raise ValueError(f"Layout {self.name}: the GPT and hybrid models run with TP, PP, EP "
                              f"and DP dividing their {BATCH} micro-batches")
@@ -149,7 +149,8 @@ class Layout:
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
                              "dividing tp x dp")
-        if self.vp > 1 and (self.pp == 1 or self.single_gdn or GPT_LAYERS % (self.pp * self.vp)):
+        if self.vp > 1 and (self.pp == 1 or self.model not in ("gpt", "gpt-moe")
+                            or GPT_LAYERS % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
                              f"dividing its {GPT_LAYERS} layers")
         if self.packed and self.dp > 1:
@@ -335,9 +336,11 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         module.set_input_tensor = _no_input_tensor
         return module
     _reseed(seed)
-    if layout.model == "hybrid":
+    if layout.model == "hybrid":  # pipeline stages: megatron's even split of the pattern
         return HybridModel(config, use_fused_gdn(te_to_local(hybrid_stack_spec)), vocab_size=VOCAB,
-                           max_sequence_length=SEQ, hybrid_layer_pattern=HYBRID_PATTERN)
+                           max_sequence_length=SEQ, hybrid_layer_pattern=HYBRID_PATTERN,
+                           pre_process=parallel_state.is_pipeline_first_stage(),
+                           post_process=parallel_state.is_pipeline_last_stage())
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage),
@@ -366,9 +369,12 @@ def global_name(name: str, offsets: Offsets) -> str:
         lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + offsets.expert}.", name)
 
 
-def _offsets(layout: Layout, config, vp_stage: Optional[int] = None) -> Offsets:
+def _offsets(layout: Layout, config, chunk, vp_stage: Optional[int] = None) -> Offsets:
     if layout.single_gdn:
         return Offsets()
+    if layout.model == "hybrid":  # megatron numbers a stage's layers from its segment's offset
+        layers = chunk.decoder.layers
+        return Offsets(layers[0].layer_number - 1 if len(layers) else 0)
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -655,7 +661,7 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
     # parameters when it wraps the module).
     names, local_shapes, initial, expected = [], [], {}, {}
     for chunk, vp_stage in zip(chunks, stages):
-        offsets = _offsets(layout, config, vp_stage)
+        offsets = _offsets(layout, config, chunk, vp_stage)
         shard = shard_for_rank(reference["weights"][layout.model], chunk, config, coords["tp"],
                                layout.tp, offsets, coords["etp"], layout.etp)
         chunk.load_state_dict(shard)

@@ -67,6 +67,8 @@ WORLDS = {
         Layout("tp2-fp16", tp=2, fp16=True),
         # megatron's HybridModel, GDN layers in the decoder and in its multi-token prediction
         Layout("hybrid-tp2-sp", tp=2, sequence_parallel=True, model="hybrid"),
+        # its two stages: GDN, GDN | attention, MLP and the MTP depth with the embedding's copy
+        Layout("hybrid-pp2", pp=2, model="hybrid"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -109,6 +111,7 @@ WORLDS = {
                distributed_optimizer=True),
         # the hybrid model with SP off: the module scales the partial dW, the MTP layer's too
         Layout("hybrid-tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True, model="hybrid"),
+        Layout("hybrid-pp2-tp2-sp", pp=2, tp=2, sequence_parallel=True, model="hybrid"),
     ),
 }
 HAS_CUDA = torch.cuda.is_available()
@@ -264,6 +267,27 @@ def test_virtual_pipeline_stages_interleave_the_layers(worlds, layout, fused):
         pp_rank = record["coords"]["pp"]
         assert sorted(layers) == list(range(pp_rank, GPT_LAYERS, layout.pp)), (record["coords"],
                                                                                layers)
+
+
+HYBRID_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES
+                         if layout.model == "hybrid" and layout.pp > 1]
+
+
+@pytest.mark.parametrize("layout, fused", HYBRID_PIPELINE_CASES,
+                         ids=[case_key(layout, fused) for layout, fused in HYBRID_PIPELINE_CASES])
+def test_hybrid_stages_split_the_pattern_and_the_last_holds_the_mtp_depth(worlds, layout, fused):
+    """The hybrid model over two pipeline stages: the first holds layers 0-1 (GDN, GDN) and the
+    embedding, the last layers 2-3, the MTP depth (its GDN layer fused with the flag) and the
+    embedding's copy that MTP reads."""
+    for record in _records(worlds, layout, fused):
+        names = set(record["params"])
+        layers = {int(m.group(1)) for name in names
+                  if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+        last = record["coords"]["pp"] == 1
+        assert sorted(layers) == ([2, 3] if last else [0, 1]), (record["coords"], layers)
+        assert any(name.startswith("mtp.") for name in names) == last
+        assert "embedding.word_embeddings.weight" in names
+        assert record["fused_modules"] == [fused] * (1 if last else 2)
 
 
 MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]

@@ -41,11 +41,12 @@ def test_global_name_shifts_layers_and_experts():
      "steps > 1"),
     (dict(pp=2, per_token_loss=True, model="gpt"), "per_token_loss is the GDN module's loss"),
     (dict(steps=0), "steps must be >= 1"),
-    (dict(pp=2, model="hybrid"), "pp > 1 needs a GPT model"),
+    (dict(pp=2), "pp > 1 needs a GPT or hybrid model"),
+    (dict(pp=2, vp=2, model="hybrid"), "vp > 1 needs pp > 1, a GPT model"),
     (dict(tp=2, full_recompute=True, model="hybrid"), "full_recompute needs a GPT model"),
 ], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
         "vp-without-pp", "vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
-        "per-token-gpt", "no-steps", "hybrid-pp", "hybrid-full-recompute"])
+        "per-token-gpt", "no-steps", "module-pp", "hybrid-vp", "hybrid-full-recompute"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)

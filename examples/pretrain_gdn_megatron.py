@@ -22,7 +22,8 @@ a ``HybridModelConfig`` (``hybrid_config_from_args``) with megatron's hybrid sta
 ``use_fused_gdn`` (:func:`gdn_hybrid_stack_spec`); a post-wrap hook runs ``assert_fused_gdn`` on
 the built model;
 :func:`forward_step` (megatron's TP broadcast of the batch to the first and last pipeline
-stage, its split over context-parallel ranks, masked token loss) and
+stage and to a stage with MTP layers, its split over context-parallel ranks, masked token
+loss) and
 :func:`train_valid_test_datasets_provider` (megatron's ``BlendedMegatronDatasetBuilder`` with
 ``GPTDataset`` on ``--data-path``, or ``MockGPTDataset`` with ``--mock-data``). Logging, LR
 schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) are megatron's.

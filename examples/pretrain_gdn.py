@@ -478,22 +478,12 @@ def nudge_out_norm_weights(model) -> None:
             p.add_(p.abs() * torch.finfo(p.dtype).eps)
 
 
-def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int,
-              nudge: bool = False, paired_every: int = 0) -> dict:
-    """Builds the model from scratch (same seed every time) and trains ``args.steps`` steps.
-    nudge: perturb the out_norm weights by one ulp before training (the noise-floor run).
-    paired_every: every N steps, run :func:`paired_check` on the step's weights and batch first."""
-    from megatron.core import parallel_state
+def build_run(args: argparse.Namespace, fused: bool, nudge: bool = False) -> tuple:
+    """The model (built from scratch, the same seed every time), its optimizer and LR scheduler,
+    with the config hooks megatron's training loop sets. nudge: perturb the out_norm weights by
+    one ulp first (the noise-floor run)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from core.testing.gdn import counting_fused_norm_calls
-
-    rank = torch.distributed.get_rank()
-    tp = args.tp
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
 
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, force_reset_rng=True)
@@ -506,6 +496,45 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, micro) -> tuple[float, "float | None", int]:
+    """One optimizer step on ``micro`` (this rank's micro-batches): (the loss averaged over
+    data-parallel ranks, the grad norm, how many fused norms this rank ran)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from core.testing.gdn import counting_fused_norm_calls
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    with counting_fused_norm_calls() as calls:
+        step_loss = forward_backward(model, optimizer, micro)
+    finalize_model_grads([model])  # DP all-reduce, TP reduction of replicated norm grads
+    with _cpu_optimizer_context():
+        update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        scheduler.step(increment=1)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    if dp_size > 1:
+        torch.distributed.all_reduce(step_loss, group=parallel_state.get_data_parallel_group())
+        step_loss /= dp_size
+    return float(step_loss), grad_norm, len(calls)  # float() syncs the device
+
+
+def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int,
+              nudge: bool = False, paired_every: int = 0) -> dict:
+    """Builds the model (:func:`build_run`) and trains ``args.steps`` steps.
+    nudge: perturb the out_norm weights by one ulp before training (the noise-floor run).
+    paired_every: every N steps, run :func:`paired_check` on the step's weights and batch first."""
+    from megatron.core import parallel_state
+
+    rank = torch.distributed.get_rank()
+    tp = args.tp
+    dp_size = parallel_state.get_data_parallel_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
+    model, optimizer, scheduler = build_run(args, fused, nudge)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"[{label}] {type(model.module).__name__} params/rank {n_params:,}, "
@@ -514,8 +543,8 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     train, held_out = pretrain_data.load_corpus()
     batches = pretrain_data.train_batches(
         train, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        num_micro_batches=args.num_micro_batches, dp_rank=dp_rank, dp_size=dp_size,
-        seed=args.seed, device=device)
+        num_micro_batches=args.num_micro_batches, dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=dp_size, seed=args.seed, device=device)
     tokens_per_step = args.seq_length * args.micro_batch_size * args.num_micro_batches * dp_size
 
     losses, step_times, grad_norms, lrs, tp_diffs, paired = [], [], [], [], [], []
@@ -527,21 +556,9 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
         if paired_every and (step == 1 or step % paired_every == 0):
             paired.append(dict(step=step, **paired_check(model, optimizer, micro)))
         t0 = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        with counting_fused_norm_calls() as calls:
-            step_loss = forward_backward(model, optimizer, micro)
-        fused_norm_calls += len(calls)
-        finalize_model_grads([model])  # DP all-reduce, TP reduction of replicated norm grads
-        with _cpu_optimizer_context():
-            update_ok, grad_norm, _ = optimizer.step()
-        if update_ok:
-            scheduler.step(increment=1)
-        if dp_size > 1:
-            torch.distributed.all_reduce(step_loss, group=parallel_state.get_data_parallel_group())
-            step_loss /= dp_size
-        loss_value = float(step_loss)  # syncs the device
+        loss_value, grad_norm, calls = train_step(model, optimizer, scheduler, micro)
         step_times.append(time.perf_counter() - t0)
+        fused_norm_calls += calls
         if tp > 1:
             tp_diffs.append(out_norm_tp_max_diff(model))
         if not math.isfinite(loss_value):

@@ -149,8 +149,7 @@ class Layout:
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
                              "dividing tp x dp")
-        if self.vp > 1 and (self.pp == 1 or self.model not in ("gpt", "gpt-moe")
-                            or GPT_LAYERS % (self.pp * self.vp)):
+        if self.vp > 1 and (self.pp == 1 or not self.gpt or GPT_LAYERS % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
                              f"dividing its {GPT_LAYERS} layers")
         if self.packed and self.dp > 1:
@@ -174,7 +173,7 @@ class Layout:
             raise ValueError(f"Layout {self.name}: per_token_loss is the GDN module's loss")
         if self.steps < 1:
             raise ValueError(f"Layout {self.name}: steps must be >= 1")
-        if self.full_recompute and (self.model not in ("gpt", "gpt-moe") or self.recompute):
+        if self.full_recompute and (not self.gpt or self.recompute):
             raise ValueError(f"Layout {self.name}: full_recompute needs a GPT model and no "
                              "selective recompute")
 
@@ -189,8 +188,13 @@ class Layout:
 
     @property
     def single_gdn(self) -> bool:
-        """The model is one GatedDeltaNet module (not a GPTModel)."""
+        """The model is one GatedDeltaNet module (not a GPTModel or a HybridModel)."""
         return self.model in ("gdn", "gdn-layernorm")
+
+    @property
+    def gpt(self) -> bool:
+        """The model is a GPTModel ("gpt", "gpt-moe")."""
+        return self.model in ("gpt", "gpt-moe")
 
     @property
     def flag_values(self) -> tuple:
@@ -318,7 +322,7 @@ def vp_stages(layout: Layout) -> tuple:
 def build_model(layout: Layout, config, seed: Optional[int] = None,
                 vp_stage: Optional[int] = None) -> torch.nn.Module:
     """This rank's model: the GatedDeltaNet module, this pipeline stage of the GPT model
-    (``vp_stage``: that virtual stage of it), or the hybrid model."""
+    (``vp_stage``: that virtual stage of it), or this pipeline stage of the hybrid model."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec

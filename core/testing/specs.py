@@ -83,7 +83,7 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
 def te_to_local_map() -> dict:
     """TE class (or its stand-in without TE) -> megatron-core's own module of the same role."""
     import megatron.core.extensions.transformer_engine as te
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from core.transformer.rms_norm import LocalNorm

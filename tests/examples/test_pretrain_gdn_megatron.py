@@ -304,8 +304,8 @@ def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path, patt
         proc, metrics = _launch(tmp_path, *flag, "--hybrid-layer-pattern", pattern, *layout,
                                 drop=HYBRID_DROP, iterations=2, warmup=1, nproc=2,
                                 metrics=f"fused{fused}.json")
-        summary = json.loads(metrics.read_text()) if proc.returncode == 0 else None
         runs[fused] = _losses(proc, metrics), _logged_mtp_losses(proc.stdout)
+        summary = json.loads(metrics.read_text())
         assert (summary["hybrid_layer_pattern"], summary["mtp_num_layers"]) == (pattern, 1)
         assert (summary["gdn_layers"], summary["gdn_layers_fused"]) == (3, 3 if fused else 0)
     (main_on, mtp_on), (main_off, mtp_off) = runs[True], runs[False]

@@ -253,6 +253,12 @@ def test_layernorm_bias_is_compared_and_tagged(worlds, layout, fused):
         assert record["tp_avg_tagged"] >= {"out_norm.weight", "out_norm.bias"}
 
 
+def _decoder_layers(record: dict) -> set:
+    """The numbers of the decoder layers whose parameters a rank's record holds."""
+    return {int(m.group(1)) for name in record["params"]
+            if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+
+
 VIRTUAL_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES if layout.vp > 1]
 
 
@@ -262,8 +268,7 @@ def test_virtual_pipeline_stages_interleave_the_layers(worlds, layout, fused):
     """With virtual stages, pipeline rank r holds layers r, r + PP, ... (one model chunk each):
     the interleaved schedule ran, not one contiguous stage per rank."""
     for record in _records(worlds, layout, fused):
-        layers = {int(m.group(1)) for name in record["params"]
-                  if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+        layers = _decoder_layers(record)
         pp_rank = record["coords"]["pp"]
         assert sorted(layers) == list(range(pp_rank, GPT_LAYERS, layout.pp)), (record["coords"],
                                                                                layers)
@@ -281,8 +286,7 @@ def test_hybrid_stages_split_the_pattern_and_the_last_holds_the_mtp_depth(worlds
     embedding's copy that MTP reads."""
     for record in _records(worlds, layout, fused):
         names = set(record["params"])
-        layers = {int(m.group(1)) for name in names
-                  if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+        layers = _decoder_layers(record)
         last = record["coords"]["pp"] == 1
         assert sorted(layers) == ([2, 3] if last else [0, 1]), (record["coords"], layers)
         assert any(name.startswith("mtp.") for name in names) == last

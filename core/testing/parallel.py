@@ -789,13 +789,14 @@ REFERENCE_CASES = tuple((model, data, fused) for model, datas in (("gdn", ("sbhd
 
 def make_reference(path: str, device=None, cases=REFERENCE_CASES) -> dict:
     """The TP 1 / CP 1 / one-stage reference (parallel_state initialised at world size 1):
-    weights of every model, the batches, and for each (model, data, fused) of ``cases`` the
-    gradients of :func:`run_case`; saved to ``path`` and returned."""
+    the weights of every model that ``cases`` names, the batches, and for each (model, data,
+    fused) of ``cases`` the gradients of :func:`run_case`; saved to ``path`` and returned."""
     from core.testing.gdn import randomize_norm_weights
 
     device = device or torch.device("cpu")
     reference = dict(weights={}, data=make_data(), grads={})
-    for model_name, layout in REFERENCE.items():
+    for model_name in dict.fromkeys(model for model, _, _ in cases):
+        layout = REFERENCE[model_name]
         init_layout(layout)
         model = build_model(layout, layout_config(layout, fused=False), seed=99)
         randomize_norm_weights(model)

@@ -1,5 +1,7 @@
 """Module and layer specs for Gated DeltaNet models (with or without Transformer Engine), and the
-spec rewrite / model check that make the fused output norm take effect in megatron's own specs."""
+spec rewrite / model check that make the fused output norm take effect in megatron's own specs.
+``core.models.fused_gdn_specs`` (not imported here: it builds megatron's hybrid stack spec) holds
+the specs for megatron's ``--spec`` option that switch the fusion on by themselves."""
 
 from core.models.gdn_specs import (
     assert_fused_gdn,

@@ -20,7 +20,10 @@ HybridModel ('G' layers of a ``hybrid_layer_pattern``): ``use_fused_gdn(hybrid_s
 'transformer_engine' (megatron's default); ``False`` forces megatron-core's own modules
 (ColumnParallelLinear / RowParallelLinear / DotProductAttention and
 :class:`core.transformer.LocalNorm`), which work on any device; ``True`` without TE raises.
-The fusion itself is switched by ``config.fused_gated_norm``, not by the spec.
+The fusion itself is switched by ``config.fused_gated_norm``. Where the config has no such
+field (megatron's own TransformerConfig, as megatron's pretrain scripts build it), by the GDN
+spec's param instead: ``use_fused_gdn(spec, fused_gated_norm=True)``, and the ready-made specs
+for megatron's ``--spec`` option in ``core.models.fused_gdn_specs``.
 
 Example::
 
@@ -42,7 +45,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -76,9 +79,13 @@ except ImportError:
     HAVE_TE = False
 
 
-def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
+def replace_modules(spec: Any, replacements: Mapping[Any, Any],
+                    params: Optional[Mapping[Any, Mapping[str, Any]]] = None) -> Any:
     """A copy of a spec tree with every occurrence of a key of ``replacements`` (a class,
-    function or any other object, matched by identity) replaced by its value. Nothing is built.
+    function or any other object, matched by identity) replaced by its value, and the
+    ``params`` of every ``ModuleSpec`` whose module (after the replacement) is a key of
+    ``params`` updated with its value (the keyword arguments megatron's ``build_module`` passes
+    to that module). Nothing is built.
 
     ``spec`` is anything megatron takes as a spec: a ``ModuleSpec``, a submodules dataclass
     (``TransformerBlockSubmodules``, ``TransformerLayerSubmodules``, ``HybridStackSubmodules``,
@@ -107,16 +114,22 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any]) -> Any:
     if not (isinstance(spec, (list, tuple)) or dataclasses.is_dataclass(spec) or callable(spec)):
         raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
                         f"got {type(spec).__name__} {spec!r}")
-    pairs = tuple(replacements.items())
-    if not pairs:
+    rewrite = _Rewrite(tuple(replacements.items()), tuple((params or {}).items()))
+    if not (rewrite.pairs or rewrite.params):
         return spec
-    if _is_spec_function(spec) and _replacement(spec, pairs) is _NO_REPLACEMENT:
+    if _is_spec_function(spec) and _replacement(spec, rewrite.pairs) is _NO_REPLACEMENT:
         @functools.wraps(spec)
         def spec_with_replacements(*args, **kwargs):
-            return _replace(spec(*args, **kwargs), pairs, {})
+            return _replace(spec(*args, **kwargs), rewrite, {})
 
         return spec_with_replacements
-    return _replace(spec, pairs, {})
+    return _replace(spec, rewrite, {})
+
+
+class _Rewrite(NamedTuple):
+    """What replace_modules changes: ``(old, new)`` pairs, and ``(module, params)`` pairs."""
+    pairs: tuple
+    params: tuple
 
 
 def _is_spec_function(spec: Any) -> bool:
@@ -153,17 +166,18 @@ def _resolve_module_path(module: Any, pairs) -> Any:
         return module
 
 
-def _replace(node: Any, pairs, memo: dict) -> Any:
+def _replace(node: Any, rewrite: _Rewrite, memo: dict) -> Any:
     key = id(node)
     if key in memo:
         return memo[key]
     memo[key] = node  # a cycle, if any, keeps the original reference
-    new = _replace_uncached(node, pairs, memo)
+    new = _replace_uncached(node, rewrite, memo)
     memo[key] = new
     return new
 
 
-def _replace_uncached(node: Any, pairs, memo: dict) -> Any:
+def _replace_uncached(node: Any, rewrite: _Rewrite, memo: dict) -> Any:
+    pairs = rewrite.pairs
     replacement = _replacement(node, pairs)
     if replacement is not _NO_REPLACEMENT:
         return replacement
@@ -171,14 +185,17 @@ def _replace_uncached(node: Any, pairs, memo: dict) -> Any:
         return node
     if isinstance(node, ModuleSpec):
         module = _resolve_module_path(node.module, pairs)
-        new_module = _replace(module, pairs, memo)
+        new_module = _replace(module, rewrite, memo)
         # a path that resolves to an object not replaced stays written as a path
         changes = {"module": new_module} if new_module is not module else {}
         for name in ("params", "submodules", "metainfo"):
             value = getattr(node, name)
-            new_value = _replace(value, pairs, memo)
+            new_value = _replace(value, rewrite, memo)
             if new_value is not value:
                 changes[name] = new_value
+        params = _params_update(new_module, changes.get("params", node.params), rewrite.params)
+        if params is not None:
+            changes["params"] = params
         return _with_fields(node, changes)
     if dataclasses.is_dataclass(node):
         changes = {}
@@ -186,34 +203,44 @@ def _replace_uncached(node: Any, pairs, memo: dict) -> Any:
             if not hasattr(node, field.name):
                 continue
             value = getattr(node, field.name)
-            new_value = _replace(value, pairs, memo)
+            new_value = _replace(value, rewrite, memo)
             if new_value is not value:
                 changes[field.name] = new_value
         return _with_fields(node, changes)
     if isinstance(node, functools.partial):
-        func = _replace(node.func, pairs, memo)
-        args = [_replace(a, pairs, memo) for a in node.args]
-        keywords = {k: _replace(v, pairs, memo) for k, v in node.keywords.items()}
+        func = _replace(node.func, rewrite, memo)
+        args = [_replace(a, rewrite, memo) for a in node.args]
+        keywords = {k: _replace(v, rewrite, memo) for k, v in node.keywords.items()}
         if func is node.func and all(a is b for a, b in zip(args, node.args)) and all(
             keywords[k] is v for k, v in node.keywords.items()
         ):
             return node
         return type(node)(func, *args, **keywords)
     if isinstance(node, (list, tuple)):
-        items = [_replace(item, pairs, memo) for item in node]
+        items = [_replace(item, rewrite, memo) for item in node]
         if all(a is b for a, b in zip(items, node)):
             return node
         if isinstance(node, list):
             return type(node)(items)
         return type(node)._make(items) if hasattr(type(node), "_make") else type(node)(items)
     if isinstance(node, dict):
-        items = {k: _replace(v, pairs, memo) for k, v in node.items()}
+        items = {k: _replace(v, rewrite, memo) for k, v in node.items()}
         if all(items[k] is v for k, v in node.items()):
             return node
         new = copy.copy(node)
         new.update(items)
         return new
     return node
+
+
+def _params_update(module: Any, params: Any, updates) -> Optional[dict]:
+    """``params`` with the updates for ``module``, or None where nothing changes."""
+    for target, update in updates:
+        if module is target:
+            if all(k in params and params[k] is v for k, v in update.items()):
+                return None
+            return {**params, **update}
+    return None
 
 
 def _with_fields(node: Any, changes: dict) -> Any:
@@ -225,7 +252,7 @@ def _with_fields(node: Any, changes: dict) -> Any:
     return new
 
 
-def use_fused_gdn(spec: Any) -> Any:
+def use_fused_gdn(spec: Any, fused_gated_norm: Optional[bool] = None) -> Any:
     """``spec`` with megatron's ``GatedDeltaNet`` replaced by :class:`core.ssm.GatedDeltaNet`, so
     that ``config.fused_gated_norm`` (and ``gdn_out_norm_zero_centered_gamma``, and the TP
     gradient fix of the output norm) take effect in the model built from it.
@@ -242,10 +269,21 @@ def use_fused_gdn(spec: Any) -> Any:
     A subclass of megatron's GatedDeltaNet other than ours is someone else's layer and is left
     alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion.
 
+    ``fused_gated_norm``: None leaves the switch to ``config.fused_gated_norm``. True (or False)
+    also sets our GDN specs' param of that name, which switches the fusion where the config has
+    no such field: megatron's own TransformerConfig, which megatron's ``pretrain_gpt.py`` /
+    ``pretrain_hybrid.py`` build from their command line (:func:`fused_gdn_block_spec`,
+    :data:`fused_gdn_hybrid_stack_spec`). A config that has the field must agree with it
+    (ValueError at construction, ``core.transformer.validate_gdn_config``).
+
     A spec function gives a spec function (``use_fused_gdn(provider.transformer_layer_spec)``:
     same signature, the replacement made in what it builds); None, a string or another non-spec
-    raises TypeError."""
-    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
+    raises TypeError, as does a ``fused_gated_norm`` that is not None or a bool."""
+    check_bool("use_fused_gdn", "fused_gated_norm", fused_gated_norm,
+               "leave the switch to config.fused_gated_norm")
+    params = None if fused_gated_norm is None else {
+        GatedDeltaNet: {"fused_gated_norm": fused_gated_norm}}
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet}, params)
 
 
 def _only_ours_honours(config) -> list:

@@ -331,16 +331,21 @@ def torch_fsdp2_param(module: torch.nn.Module, name: str):
 
 class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
-    gate to the fused kernel. Constructor arguments are megatron's.
+    gate to the fused kernel. Constructor arguments are megatron's, and ``fused_gated_norm``: a
+    spec param (``core.models.use_fused_gdn(spec, fused_gated_norm=True)``) that switches it
+    where the config has no such field, such as megatron's own TransformerConfig; None (no
+    param) leaves it to the config (``validate_gdn_config``).
 
     ``out_norm_grad_scales``: per parameter of out_norm (``"weight"``, and ``"bias"`` where the
     norm has one), the factor the backward applies to its gradient: ``tp_size`` where this class
     completes the TP reduction, else 1.0. ``out_norm_weight_grad_scale`` is the weight's."""
 
-    def __init__(self, config, submodules, *args, **kwargs):
-        validate_gdn_config(config)  # configs of other classes may carry the fields as attributes
+    def __init__(self, config, submodules, *args, fused_gated_norm: Optional[bool] = None,
+                 **kwargs):
+        # configs of other classes may carry the fields as attributes, or have none
+        fused = validate_gdn_config(config, fused_gated_norm)
         super().__init__(config, submodules, *args, **kwargs)
-        self.fused_gated_norm = getattr(config, "fused_gated_norm", False)
+        self.fused_gated_norm = fused
         self.out_norm_zero_centered = gdn_out_norm_zero_centered(config)
         if self.out_norm_zero_centered != bool(config.layernorm_zero_centered_gamma):
             # The norm builders (TENorm, RMSNorm) read the global flag: give them a config copy.

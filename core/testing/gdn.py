@@ -134,10 +134,12 @@ def gdn_config(
     key_head_dim: int = 16,
     value_head_dim: int = 16,
     params_dtype: torch.dtype = torch.bfloat16,
+    config_class: type = TransformerConfig,
     **overrides,
 ) -> TransformerConfig:
     """A GDN TransformerConfig (RMSNorm, silu, deterministic megatron chunk rule unless
-    overridden). Tiny by default; pass Qwen3-Next sizes for the GPU."""
+    overridden). Tiny by default; pass Qwen3-Next sizes for the GPU. ``config_class``: ours, or
+    megatron's own (no fusion fields), as megatron's pretrain scripts build it."""
     kwargs = dict(
         num_layers=1,
         hidden_size=hidden_size,
@@ -162,7 +164,7 @@ def gdn_config(
         attention_dropout=0.0,
     )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def _pg_collection():

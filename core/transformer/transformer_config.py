@@ -73,15 +73,32 @@ def _zero_centered_override(config) -> Optional[bool]:
                       "follow layernorm_zero_centered_gamma")
 
 
-def validate_gdn_config(config) -> None:
+def validate_gdn_config(config, fused_gated_norm: Optional[bool] = None) -> bool:
     """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
     ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
     another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
     provider -- is checked too). A config without the fields passes. TypeError for a field of
     the wrong type (a string or an int is not a bool), ValueError for a combination the fused
-    norm does not implement."""
-    if not check_gdn_field_types(config):
-        return
+    norm does not implement. Returns whether the fused norm is on.
+
+    ``fused_gated_norm``: the GDN spec's param of that name
+    (``core.models.use_fused_gdn(spec, fused_gated_norm=True)``), which switches the fusion
+    where the config has no such field: megatron's own TransformerConfig, as megatron's
+    ``pretrain_gpt.py`` builds it from its command line. None leaves the choice to the config.
+    A bool must agree with a config that has the field (ValueError): nothing decides between
+    two settings silently."""
+    fused = check_gdn_field_types(config)
+    if fused_gated_norm is not None:
+        check_bool("GatedDeltaNet spec params", "fused_gated_norm", fused_gated_norm)
+        if hasattr(config, "fused_gated_norm") and fused_gated_norm != fused:
+            raise ValueError(
+                f"the GDN spec's param fused_gated_norm={fused_gated_norm} disagrees with "
+                f"{type(config).__name__}.fused_gated_norm={fused}: set the config field and "
+                "build from a spec without the param (use_fused_gdn(spec)), or use a config "
+                "without the field (megatron's own TransformerConfig)")
+        fused = fused_gated_norm
+    if not fused:
+        return False
     activation = check_norm_and_gate(config.normalization, config.activation_func, "activation_func")
     # The kernels take eps as a normal fp32 number; checked again on every fused forward.
     check_positive_number(f"{type(config).__name__} with fused_gated_norm", "layernorm_epsilon",
@@ -92,6 +109,7 @@ def validate_gdn_config(config) -> None:
             "GatedDeltaNet applies activation_func after its short convolution too, and outside "
             "deterministic mode that convolution (FLA's causal_conv1d) takes silu only"
         )
+    return True
 
 
 def gdn_out_norm_zero_centered(config) -> bool:

@@ -115,6 +115,43 @@ def test_classes_in_a_specs_params_dict_are_replaced():
     assert use_fused_gdn(fused) is fused
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_fused_gated_norm_sets_the_param_of_every_gdn_spec(value):
+    """The switch for configs without the field: set on our GDN specs (megatron's shared mixer
+    spec stays one shared copy), nothing else touched, the input untouched; applying it again
+    gives the same object back."""
+    spec = _megatron_block_spec(_config())
+    before = spec_fingerprint(spec)
+    fused = use_fused_gdn(spec, fused_gated_norm=value)
+    mixers = [layer.submodules.self_attention for layer in fused.layer_specs]
+    assert mixers[0] is mixers[2] and mixers[0].module is GatedDeltaNet
+    assert mixers[0].params == {**spec.layer_specs[0].submodules.self_attention.params,
+                                "fused_gated_norm": value}
+    assert "fused_gated_norm" not in mixers[1].params  # the attention layer's
+    assert fused.layer_specs[1] is spec.layer_specs[1]
+    assert spec_fingerprint(spec) == before
+    assert use_fused_gdn(fused, fused_gated_norm=value) is fused
+    assert use_fused_gdn(fused) is fused  # None: the params stay as they are
+    flipped = use_fused_gdn(fused, fused_gated_norm=not value)
+    assert flipped.layer_specs[0].submodules.self_attention.params["fused_gated_norm"] is not value
+
+
+def test_fused_gated_norm_reaches_the_specs_a_spec_function_builds():
+    fused_fn = use_fused_gdn(mexp.get_transformer_block_with_experimental_attention_variant_spec,
+                             fused_gated_norm=True)
+    with megatron_te_spec_builders():
+        spec = fused_fn(_config(), vp_stage=None)
+    assert spec.layer_specs[0].submodules.self_attention.params["fused_gated_norm"] is True
+
+
+@pytest.mark.parametrize("value", ["true", 1, 0.0])
+def test_fused_gated_norm_is_a_bool_or_none(value):
+    with pytest.raises(TypeError, match=rf"use_fused_gdn: fused_gated_norm must be None \(leave "
+                                        rf"the switch to config.fused_gated_norm\), True or "
+                                        rf"False, got {value!r}"):
+        use_fused_gdn(hybrid_stack_spec, fused_gated_norm=value)
+
+
 class _SpecBuilder:
     def __call__(self, config, vp_stage=None):
         return mexp.get_transformer_block_with_experimental_attention_variant_spec(

@@ -107,6 +107,35 @@ def test_rules_apply_to_a_config_of_another_class():
         validate_gdn_config(config)
 
 
+def test_the_spec_param_switches_a_config_without_the_field():
+    """A GDN spec's ``fused_gated_norm`` param (megatron's own config has no such field): the
+    fused norm's rules for True, none for False or None; a bool only; a config with the field
+    must agree. validate_gdn_config returns whether the fused norm is on."""
+    from megatron.core.transformer import TransformerConfig as MegatronConfig
+
+    from core.transformer import validate_gdn_config
+
+    config = MegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            normalization="LayerNorm")
+    assert validate_gdn_config(config, None) is False
+    assert validate_gdn_config(config, False) is False
+    with pytest.raises(ValueError, match="fused_gated_norm requires normalization='RMSNorm'"):
+        validate_gdn_config(config, True)
+    config.normalization = "RMSNorm"
+    with pytest.raises(ValueError, match=r"activation_func .* got 'gelu'"):  # megatron's default
+        validate_gdn_config(config, True)
+    config.activation_func = F.silu
+    assert validate_gdn_config(config, True) is True
+    with pytest.raises(TypeError, match=r"GatedDeltaNet spec params: fused_gated_norm must be a "
+                                        r"bool \(True or False\), got 'yes'"):
+        validate_gdn_config(config, "yes")
+    ours = gdn_config(fused_gated_norm=True)
+    assert validate_gdn_config(ours, True) is True and validate_gdn_config(ours) is True
+    with pytest.raises(ValueError, match="param fused_gated_norm=False disagrees with "
+                                         "TransformerConfig.fused_gated_norm=True"):
+        validate_gdn_config(ours, False)
+
+
 def test_zero_centered_resolution_refuses_a_string_global_flag():
     config = gdn_config()
     config.layernorm_zero_centered_gamma = "false"  # would read as True

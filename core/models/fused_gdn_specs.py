@@ -1,0 +1,45 @@
+"""Specs for megatron's ``--spec MODULE NAME`` option that turn the fused GDN output norm on by
+themselves, for megatron's own ``pretrain_gpt.py`` and ``pretrain_hybrid.py``, unmodified:
+
+    pretrain_gpt.py    ... --experimental-attention-variant gated_delta_net \\
+                           --spec core.models.fused_gdn_specs gpt_block_spec
+    pretrain_hybrid.py ... --hybrid-layer-pattern "GGG*GGG*" \\
+                           --spec core.models.fused_gdn_specs hybrid_stack_spec
+
+Those scripts build megatron's own TransformerConfig, which has no ``fused_gated_norm`` field,
+and their command line has no flag for it. These specs carry the switch: their GDN layers are
+``core.ssm.GatedDeltaNet`` with the spec param ``fused_gated_norm=True``
+(``core.models.use_fused_gdn(spec, fused_gated_norm=True)``). The layer checks at construction
+what the config's flag would check (RMSNorm, a silu or sigmoid gate, eps).
+
+With this package's TransformerConfig (``core.training.transformer_config_from_args``, the
+``--fused-gated-norm`` flag) the config switches the fusion; these specs then need the flag on
+too (a disagreement raises at construction).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.hybrid.hybrid_layer_specs import (
+    hybrid_stack_spec as _megatron_hybrid_stack_spec,
+)
+
+from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
+
+
+def gpt_block_spec(config, vp_stage: Optional[int] = None):
+    """The layer specs of a GPTModel of the ``gated_delta_net`` attention variant
+    (:func:`core.models.get_gdn_hybrid_block_spec`: megatron's block with Transformer Engine,
+    the same block from megatron-core's modules with ``--transformer-impl local``), every GDN
+    layer fused. ``config``: megatron.training's ``GPTModelConfig`` (what its ``--spec``
+    calls a spec function with) or a TransformerConfig; ``vp_stage``: the virtual pipeline
+    stage megatron builds."""
+    transformer_config = getattr(config, "transformer", config)
+    return use_fused_gdn(get_gdn_hybrid_block_spec(transformer_config, vp_stage=vp_stage),
+                         fused_gated_norm=True)
+
+
+# megatron's hybrid stack (Transformer Engine modules), its 'G' layers fused, in the decoder and
+# in multi-token prediction depths. A spec object, as megatron's --spec takes for HybridModel.
+hybrid_stack_spec = use_fused_gdn(_megatron_hybrid_stack_spec, fused_gated_norm=True)

@@ -1,0 +1,113 @@
+"""core.models.fused_gdn_specs, the specs for megatron's ``--spec`` that switch the fusion on by
+themselves: with megatron's own TransformerConfig (no fusion field, as megatron's pretrain
+scripts build it) every GDN layer is ours and fused, and the models train as the unfused ones;
+the layer's construction-time rules apply; a config with the field must agree."""
+
+import pytest
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+from megatron.core.transformer.transformer_config import (
+    TransformerConfig as MegatronTransformerConfig,
+)
+
+from core.models import fused_gdn_specs
+from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
+from core.ssm import GatedDeltaNet
+from core.testing.gdn import gdn_config
+from core.testing.specs import te_to_local
+from tests.gated_norm_checks import assert_language_model_matches_unfused
+
+VOCAB, SEQ = 64, 16
+
+pytestmark = pytest.mark.usefixtures("model_parallel_tp1")
+
+
+def _megatron_config(**overrides):
+    """megatron's own TransformerConfig of a tiny GDN model (what its pretrain scripts build)."""
+    kwargs = dict(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32)
+    kwargs.update(overrides)
+    return gdn_config(config_class=MegatronTransformerConfig, **kwargs)
+
+
+def _gpt(config, spec):
+    return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def _gdn_layers(model):
+    return [m for m in model.modules() if isinstance(m, MegatronGDN)]
+
+
+class _ModelConfig:
+    """The part of megatron.training's GPTModelConfig that a --spec function reads."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+
+@pytest.mark.cpu_shims
+@pytest.mark.parametrize("called_with", ["model_config", "transformer_config"])
+def test_gpt_block_spec_fuses_every_gdn_layer_of_megatrons_config(called_with):
+    """megatron.training's GPTModelConfig calls the spec function with itself (the transformer
+    config in ``.transformer``); a model built by hand passes the transformer config."""
+    config = _megatron_config()
+    assert not hasattr(config, "fused_gated_norm")
+    arg = _ModelConfig(config) if called_with == "model_config" else config
+    model = _gpt(config, fused_gdn_specs.gpt_block_spec(arg, vp_stage=None))
+    layers = _gdn_layers(model)
+    assert [type(m) for m in layers] == [GatedDeltaNet]
+    assert all(m.fused_gated_norm for m in layers)
+    unfused = _gpt(config, get_gdn_hybrid_block_spec(config))  # the same class, no param: off
+    assert not any(m.fused_gated_norm for m in _gdn_layers(unfused))
+    assert assert_language_model_matches_unfused(model, unfused, VOCAB, SEQ, seed=4) == 1
+
+
+@pytest.mark.cpu_shims
+def test_hybrid_stack_spec_fuses_every_g_layer_of_megatrons_config():
+    """HybridModel with 'G' layers in the decoder and in a multi-token prediction depth."""
+    config = _megatron_config(num_layers=4, linear_attention_freq=None,
+                              experimental_attention_variant=None, mtp_num_layers=1)
+
+    def build(spec):
+        return HybridModel(config, te_to_local(spec), vocab_size=VOCAB, max_sequence_length=SEQ,
+                           hybrid_layer_pattern="G*G-/G-")
+
+    model = build(fused_gdn_specs.hybrid_stack_spec)
+    layers = _gdn_layers(model)
+    assert len(layers) == 3 and all(type(m) is GatedDeltaNet and m.fused_gated_norm
+                                    for m in layers)
+    unfused = build(use_fused_gdn(fused_gdn_specs._megatron_hybrid_stack_spec))
+    assert assert_language_model_matches_unfused(model, unfused, VOCAB, SEQ, seed=5) == 3
+
+
+def test_the_fused_norms_rules_apply_at_construction():
+    """What the config's flag would refuse, the spec's param refuses, naming the config field."""
+    layer_norm = _megatron_config(normalization="LayerNorm")
+    with pytest.raises(ValueError, match="normalization"):
+        _gpt(layer_norm, fused_gdn_specs.gpt_block_spec(layer_norm))
+    sigmoid = _megatron_config(activation_func=torch.sigmoid, deterministic_mode=False)
+    with pytest.raises(ValueError, match="sigmoid gate requires deterministic_mode=True"):
+        _gpt(sigmoid, fused_gdn_specs.gpt_block_spec(sigmoid))
+
+
+def test_a_config_with_the_field_must_agree():
+    off = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"spec's param fused_gated_norm=True disagrees with "
+                                         r"TransformerConfig\.fused_gated_norm=False"):
+        _gpt(off, fused_gdn_specs.gpt_block_spec(off))
+    on = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
+                    fused_gated_norm=True)
+    assert all(m.fused_gated_norm for m in _gdn_layers(_gpt(on, fused_gdn_specs.gpt_block_spec(on))))
+
+
+def test_megatrons_spec_option_finds_them():
+    """megatron's --spec imports (module, name) with ``vars(module)[name]``: module attributes,
+    not lazy ones."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    assert import_module(("core.models.fused_gdn_specs", "gpt_block_spec")) is \
+        fused_gdn_specs.gpt_block_spec
+    assert import_module(("core.models.fused_gdn_specs", "hybrid_stack_spec")) is \
+        fused_gdn_specs.hybrid_stack_spec

@@ -28,6 +28,12 @@ loss) and
 ``GPTDataset`` on ``--data-path``, or ``MockGPTDataset`` with ``--mock-data``). Logging, LR
 schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) are megatron's.
 
+``--megatron-transformer-config`` builds the model config as megatron's own pretrain_gpt.py and
+pretrain_hybrid.py do: megatron's TransformerConfig (which has no fusion field) and the
+``--spec`` as given, so that the spec switches the fusion
+(``--spec core.models.fused_gdn_specs gpt_block_spec``, or ``hybrid_stack_spec`` with
+``--hybrid-layer-pattern``); it refuses ``--fused-gated-norm``.
+
 ``--gdn-metrics-out FILE`` also writes, from the last rank, one JSON record per training
 iteration: the exact loss of the iteration's whole batch (the sum of masked token losses over
 every micro-batch and data-parallel rank / their token count; megatron's "lm loss" log line
@@ -121,6 +127,11 @@ def add_launcher_args(parser):
     group.add_argument("--gdn-metrics-out", default=None,
                        help="JSON file (written by the last rank): per training iteration the "
                             "exact loss, wall time and forward activation memory")
+    group.add_argument("--megatron-transformer-config", action="store_true",
+                       help="build the model as megatron's own pretrain_gpt.py / "
+                            "pretrain_hybrid.py do: megatron's TransformerConfig (no fusion "
+                            "fields) and the --spec as given, which switches the fusion "
+                            "(core.models.fused_gdn_specs); --fused-gated-norm is refused")
     return parser
 
 
@@ -130,6 +141,18 @@ def check_launcher_scope(args) -> None:
     for that variant), or a HybridModel whose pattern has 'G' layers (MTP included), which
     megatron builds from Transformer Engine modules; the TE implementation only where TE is
     installed."""
+    if args.megatron_transformer_config:
+        if args.spec is None:
+            raise ValueError("--megatron-transformer-config: megatron's TransformerConfig has no "
+                             "fusion field, so the spec switches the fusion: pass --spec, e.g. "
+                             "--spec core.models.fused_gdn_specs gpt_block_spec")
+        ignored = [flag for flag, value in (
+            ("--fused-gated-norm", args.fused_gated_norm),
+            ("--gdn-out-norm-zero-centered-gamma", args.gdn_out_norm_zero_centered_gamma is not None))
+            if value]
+        if ignored:
+            raise ValueError(f"--megatron-transformer-config: megatron's TransformerConfig has "
+                             f"no field for {', '.join(ignored)}; the spec switches the fusion")
     if args.hybrid_layer_pattern is not None:
         if args.experimental_attention_variant is not None:
             raise ValueError(
@@ -197,35 +220,46 @@ def check_fused_gdn(model_chunks):
                           device=torch.cuda.current_device() if HAS_CUDA else "cpu")
     if mpu.get_pipeline_model_parallel_world_size() > 1:  # each stage holds other layers
         torch.distributed.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
-    _GDN_LAYERS.update(count=int(counts[0]), fused=int(counts[1]))
+    config_class = type(get_attr_wrapped_model(model_chunks[0], "config"))
+    _GDN_LAYERS.update(count=int(counts[0]), fused=int(counts[1]),
+                       config_class=f"{config_class.__module__}.{config_class.__qualname__}")
     return model_chunks
 
 
 def gdn_hybrid_stack_spec(spec=None):
     """``use_fused_gdn`` of ``spec`` (``--spec``) or megatron's ``hybrid_stack_spec``: its 'G'
-    layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths. The
-    CPU run swaps its TE modules for megatron-core's (``core.testing.specs.te_to_local``)."""
-    spec = hybrid_stack_spec if spec is None else spec
-    if not HAS_CUDA:
-        from core.testing.specs import te_to_local
+    layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths."""
+    return use_fused_gdn(te_stand_ins(hybrid_stack_spec if spec is None else spec))
 
-        spec = te_to_local(spec)
-    return use_fused_gdn(spec)
+
+def te_stand_ins(spec):
+    """``spec`` on a GPU; on the CPU its TE modules swapped for megatron-core's
+    (``core.testing.specs.te_to_local``): megatron's hybrid stack is made of TE modules."""
+    if HAS_CUDA:
+        return spec
+    from core.testing.specs import te_to_local
+
+    return te_to_local(spec)
 
 
 def model_config_from_args(args):
     """megatron's model config from the command line, with our transformer config and spec.
     ``--hybrid-layer-pattern``: a HybridModelConfig with :func:`gdn_hybrid_stack_spec`. Else a
     GPTModelConfig with ``--spec`` (megatron's: a spec or spec function by module and name)
-    through ``use_fused_gdn``, or :func:`gdn_block_spec`."""
-    config = transformer_config_from_args(args)
+    through ``use_fused_gdn``, or :func:`gdn_block_spec`. ``--megatron-transformer-config``:
+    what megatron's own pretrain scripts build, megatron's TransformerConfig and the ``--spec``
+    as it is (the CPU run's TE stand-ins aside)."""
+    stock = args.megatron_transformer_config
+    config = None if stock else transformer_config_from_args(args)
     hybrid = args.hybrid_layer_pattern is not None
     model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=config)
     spec_field = "hybrid_stack_spec" if hybrid else "transformer_layer_spec"
     spec = getattr(model_config, spec_field)  # megatron's import of --spec, else None
     if args.spec is not None and spec is None:  # megatron logs the import error and goes on
         raise ValueError(f"--spec {' '.join(args.spec)}: megatron could not import it")
-    if hybrid:
+    if stock:
+        spec = te_stand_ins(spec) if hybrid else spec
+    elif hybrid:
         spec = gdn_hybrid_stack_spec(spec)
     else:
         spec = gdn_block_spec if spec is None else use_fused_gdn(spec)
@@ -380,6 +414,8 @@ def write_metrics(path: str) -> None:
     args = get_args()
     summary = {
         "fused_gated_norm": args.fused_gated_norm,
+        "megatron_transformer_config": args.megatron_transformer_config,
+        "transformer_config_class": _GDN_LAYERS.get("config_class"),
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "expert_model_parallel_size": args.expert_model_parallel_size,

@@ -265,8 +265,15 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
      "out --experimental-attention-variant"),
     (("--hybrid-layer-pattern", "*-*-"), ("--num-layers", "--experimental-attention-variant"),
      "--hybrid-layer-pattern '*-*-' has no GDN layer ('G')"),
+    (("--megatron-transformer-config",), (), "--megatron-transformer-config: megatron's "
+                                              "TransformerConfig has no fusion field, so the "
+                                              "spec switches the fusion: pass --spec"),
+    (("--megatron-transformer-config", "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs",
+      "gpt_block_spec"), (), "--megatron-transformer-config: megatron's TransformerConfig has "
+                             "no field for --fused-gated-norm"),
 ], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags",
-        "hybrid_and_gpt_variant", "hybrid_without_gdn"])
+        "hybrid_and_gpt_variant", "hybrid_without_gdn", "megatron_config_without_spec",
+        "megatron_config_with_the_flag"])
 def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     from core.models.gdn_specs import HAVE_TE
 
@@ -384,6 +391,36 @@ def test_launcher_splits_sequences_over_context_parallel_ranks(tmp_path):
         assert json.loads(metrics.read_text())["gdn_layers_fused"] == 2
     for one, two in zip(runs[1], runs[2]):
         assert abs(one - two) <= fp32_loss_tolerance(one), runs
+
+
+STOCK = "--megatron-transformer-config"
+
+
+@pytest.mark.interpreter_backward
+@pytest.mark.parametrize("spec_name, model, drop, layers", [
+    ("gpt_block_spec", (), (), 1),
+    ("hybrid_stack_spec", ("--hybrid-layer-pattern", "G*G-/G-"), HYBRID_DROP, 3),
+], ids=["gpt", "hybrid-mtp"])
+def test_megatrons_own_config_with_a_fused_spec_trains_as_the_flag(tmp_path, spec_name, model,
+                                                                   drop, layers):
+    """As megatron's own pretrain_gpt.py / pretrain_hybrid.py build the model (megatron's
+    TransformerConfig, without a fusion field, and the --spec as given), a spec of
+    core.models.fused_gdn_specs fuses every GDN layer, the hybrid model's MTP depth included,
+    and trains the same iterations, bit for bit, as this package's config with
+    --fused-gated-norm."""
+    runs = {}
+    for name, extra in (("spec", (STOCK, "--spec", "core.models.fused_gdn_specs", spec_name)),
+                        ("flag", ("--fused-gated-norm",))):
+        proc, metrics = _launch(tmp_path, *extra, *model, drop=drop, iterations=2, warmup=1,
+                                metrics=f"{name}.json")
+        runs[name] = _losses(proc, metrics)
+        summary = json.loads(metrics.read_text())
+        assert summary["megatron_transformer_config"] is (name == "spec")
+        assert summary["transformer_config_class"] == (
+            "megatron.core.transformer.transformer_config.TransformerConfig" if name == "spec"
+            else "core.transformer.transformer_config.TransformerConfig"), name
+        assert summary["gdn_layers"] == summary["gdn_layers_fused"] == layers, name
+    assert len(runs["spec"]) == 2 and runs["spec"] == runs["flag"], runs
 
 
 @pytest.mark.interpreter_backward

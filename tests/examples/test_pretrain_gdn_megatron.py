@@ -21,6 +21,7 @@ from tests.gated_norm_checks import fp32_loss_tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "examples", "run_megatron_pairs.py")
+LAUNCHER = os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py")
 STEPS, SAVE_AT = 3, 2
 
 
@@ -214,7 +215,7 @@ def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=Non
     driver = _module(DRIVER, "run_megatron_pairs")
     metrics_path = out_dir / metrics
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py"),
+           str(nproc), LAUNCHER,
            *(model or driver.MODEL["cpu"]), *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
            "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
            str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
@@ -282,6 +283,37 @@ def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
     proc, metrics = _launch(tmp_path, *extra, drop=drop)
     assert proc.returncode != 0 and not metrics.exists()
     assert message in proc.stdout + proc.stderr
+
+
+def test_launcher_refuses_the_hybrid_model_on_a_gpu_without_te():
+    """megatron's hybrid stack is made of Transformer Engine modules: on a GPU without TE the
+    launcher refuses the pattern before building (its CPU run swaps in megatron-core's modules
+    instead). The launcher's checks run in a CPU process told that it has a GPU and no TE."""
+    script = (
+        "import argparse, importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('launcher', {LAUNCHER!r})\n"
+        "launcher = importlib.util.module_from_spec(spec); spec.loader.exec_module(launcher)\n"
+        "launcher.HAS_CUDA, launcher.HAVE_TE = True, False\n"
+        "args = argparse.Namespace(megatron_transformer_config=False, spec=None,\n"
+        "    fused_gated_norm=True, gdn_out_norm_zero_centered_gamma=None,\n"
+        "    hybrid_layer_pattern='G*G-', experimental_attention_variant=None,\n"
+        "    mtp_num_layers=None, transformer_impl='local')\n"
+        "try:\n"
+        "    launcher.check_launcher_scope(args)\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED:', e)\n"
+        "launcher.HAVE_TE = True\n"
+        "launcher.check_launcher_scope(args)\n"
+        "print('ACCEPTED with TE')\n")
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("REFUSED: --hybrid-layer-pattern: megatron's HybridModel needs Transformer Engine "
+            "(its hybrid stack spec and its final norm are TE modules), which is not installed"
+            in proc.stdout), proc.stdout[-3000:]
+    assert "ACCEPTED with TE" in proc.stdout
 
 
 # megatron's HybridModel: the layers come from the pattern, the GDN ones are its 'G' layers

@@ -14,7 +14,8 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
   * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
     TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
     pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
-    depth (over two pipeline stages: GDN, GDN | attention, MLP and the MTP depth).
+    depth (over pipeline stages: the decoder split at '|' into PP x VP equal segments,
+    :func:`hybrid_pattern`; the MTP depth on the last).
 
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
@@ -133,7 +134,8 @@ class Layout:
     model: str = "gdn"                   # one GatedDeltaNet ("gdn", "gdn-layernorm"), a GPTModel
                                          # ("gpt", "gpt-moe") or a HybridModel ("hybrid")
     ep: int = 1                          # expert parallelism ("gpt-moe")
-    vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT models)
+    vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT and
+                                         # hybrid models)
     etp: int = 1                         # expert tensor parallelism ("gpt-moe")
 
     def __post_init__(self):
@@ -149,9 +151,9 @@ class Layout:
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
                              "dividing tp x dp")
-        if self.vp > 1 and (self.pp == 1 or not self.gpt or GPT_LAYERS % (self.pp * self.vp)):
-            raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT model and pp x vp "
-                             f"dividing its {GPT_LAYERS} layers")
+        if self.vp > 1 and (self.pp == 1 or self.single_gdn or GPT_LAYERS % (self.pp * self.vp)):
+            raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT or hybrid model and "
+                             f"pp x vp dividing its {GPT_LAYERS} decoder layers")
         if self.packed and self.dp > 1:
             raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
         if self.sequence_parallel and self.tp == 1:
@@ -340,19 +342,31 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         module.set_input_tensor = _no_input_tensor
         return module
     _reseed(seed)
-    if layout.model == "hybrid":  # pipeline stages: megatron's even split of the pattern
+    stage = dict(
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage)
+    if layout.model == "hybrid":
         return HybridModel(config, use_fused_gdn(te_to_local(hybrid_stack_spec)), vocab_size=VOCAB,
-                           max_sequence_length=SEQ, hybrid_layer_pattern=HYBRID_PATTERN,
-                           pre_process=parallel_state.is_pipeline_first_stage(),
-                           post_process=parallel_state.is_pipeline_last_stage())
+                           max_sequence_length=SEQ, hybrid_layer_pattern=hybrid_pattern(layout),
+                           **stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gdn_hybrid_block_spec(config, use_te=False, vp_stage=vp_stage),
         vocab_size=VOCAB, max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         # untied, as Qwen3-Next
-        share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+        share_embeddings_and_output_weights=False, **stage)
+
+
+def hybrid_pattern(layout: Layout) -> str:
+    """:data:`HYBRID_PATTERN` with its decoder split into ``pp x vp`` equal pipeline segments
+    at '|' (megatron gives segment ``vp_stage * pp + pp_rank`` to that rank's virtual stage)."""
+    segments = layout.pp * layout.vp
+    if segments == 1:
+        return HYBRID_PATTERN
+    decoder, mtp = HYBRID_PATTERN.split("/", 1)
+    size = len(decoder) // segments
+    return "|".join(decoder[i:i + size] for i in range(0, len(decoder), size)) + "/" + mtp
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -29,10 +29,10 @@ import pytest
 import torch
 
 from core.testing.cpu import init_cpu_model_parallel
-from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, MOE_SIZES, REFERENCE, Layout,
-                                   case_key, grad_errors, grad_mismatches, layout_config,
-                                   make_reference, partial_out_norm_grad, reference_worker,
-                                   replica_mismatches, run_case, spawn_layouts,
+from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, HYBRID_PATTERN, MOE_SIZES,
+                                   REFERENCE, Layout, case_key, grad_errors, grad_mismatches,
+                                   layout_config, make_reference, partial_out_norm_grad,
+                                   reference_worker, replica_mismatches, run_case, spawn_layouts,
                                    twin_mismatches)
 
 OVERLAP_PARAM_GATHER_TWINS = (
@@ -69,6 +69,8 @@ WORLDS = {
         Layout("hybrid-tp2-sp", tp=2, sequence_parallel=True, model="hybrid"),
         # its two stages: GDN, GDN | attention, MLP and the MTP depth with the embedding's copy
         Layout("hybrid-pp2", pp=2, model="hybrid"),
+        # two virtual stages of one layer on each rank: GDN, attention | GDN, MLP and MTP
+        Layout("hybrid-pp2-vp2", pp=2, vp=2, model="hybrid"),
     ),
     4: (
         Layout("tp4", tp=4),
@@ -281,17 +283,21 @@ HYBRID_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES
 @pytest.mark.parametrize("layout, fused", HYBRID_PIPELINE_CASES,
                          ids=[case_key(layout, fused) for layout, fused in HYBRID_PIPELINE_CASES])
 def test_hybrid_stages_split_the_pattern_and_the_last_holds_the_mtp_depth(worlds, layout, fused):
-    """The hybrid model over two pipeline stages: the first holds layers 0-1 (GDN, GDN) and the
-    embedding, the last layers 2-3, the MTP depth (its GDN layer fused with the flag) and the
-    embedding's copy that MTP reads."""
+    """The hybrid model over two pipeline stages. Without virtual stages the first holds layers
+    0-1 (GDN, GDN) and the embedding, the last layers 2-3. With two virtual stages each rank
+    holds every other layer (0 and 2: GDN, attention; 1 and 3: GDN, MLP), one per model chunk.
+    The last rank holds the MTP depth (its GDN layer fused with the flag) and the embedding's
+    copy that MTP reads."""
+    expected = {(2, 1): ([0, 1], [2, 3]), (2, 2): ([0, 2], [1, 3])}[layout.pp, layout.vp]
     for record in _records(worlds, layout, fused):
         names = set(record["params"])
         layers = _decoder_layers(record)
         last = record["coords"]["pp"] == 1
-        assert sorted(layers) == ([2, 3] if last else [0, 1]), (record["coords"], layers)
+        assert sorted(layers) == expected[last], (record["coords"], layers)
         assert any(name.startswith("mtp.") for name in names) == last
         assert "embedding.word_embeddings.weight" in names
-        assert record["fused_modules"] == [fused] * (1 if last else 2)
+        gdn_layers = sum(HYBRID_PATTERN.split("/")[0][i] == "G" for i in expected[last])
+        assert record["fused_modules"] == [fused] * (gdn_layers + last), record["coords"]
 
 
 MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]

@@ -34,7 +34,8 @@ def test_global_name_shifts_layers_and_experts():
     (dict(model="moe"), "Layout.model must be one of"),
     (dict(dp=4, model="gpt-moe"), "DP dividing their 2 micro-batches"),
     (dict(vp=2, model="gpt"), "vp > 1 needs pp > 1"),
-    (dict(pp=4, vp=2, model="gpt"), "pp x vp dividing its 4 layers"),
+    (dict(pp=4, vp=2, model="gpt"), "pp x vp dividing its 4 decoder layers"),
+    (dict(pp=4, vp=2, model="hybrid"), "pp x vp dividing its 4 decoder layers"),
     (dict(dp=2, distributed_optimizer=True, steps=2, overlap_param_gather=True),
      "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce"),
     (dict(dp=2, distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
@@ -42,11 +43,11 @@ def test_global_name_shifts_layers_and_experts():
     (dict(pp=2, per_token_loss=True, model="gpt"), "per_token_loss is the GDN module's loss"),
     (dict(steps=0), "steps must be >= 1"),
     (dict(pp=2), "pp > 1 needs a GPT or hybrid model"),
-    (dict(pp=2, vp=2, model="hybrid"), "vp > 1 needs pp > 1, a GPT model"),
+    (dict(vp=2, model="hybrid"), "vp > 1 needs pp > 1, a GPT or hybrid model"),
     (dict(tp=2, full_recompute=True, model="hybrid"), "full_recompute needs a GPT model"),
 ], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
-        "vp-without-pp", "vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
-        "per-token-gpt", "no-steps", "module-pp", "hybrid-vp", "hybrid-full-recompute"])
+        "vp-without-pp", "vp-too-many", "hybrid-vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
+        "per-token-gpt", "no-steps", "module-pp", "hybrid-vp-without-pp", "hybrid-full-recompute"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):
     with pytest.raises(ValueError, match=message):
         Layout("bad", **changes)
@@ -77,3 +78,13 @@ def test_twin_mismatches_catch_one_ulp_a_missing_step_and_other_coordinates():
     twin = _twin_record()
     twin["params"]["v"] = twin["params"].pop("w")
     assert "names differ" in twin_mismatches([_twin_record()], [twin])[0]
+
+
+@pytest.mark.parametrize("pp, vp, pattern", [(1, 1, "GG*-/G-"), (2, 1, "GG|*-/G-"),
+                                             (2, 2, "G|G|*|-/G-")])
+def test_hybrid_pattern_splits_the_decoder_into_pp_x_vp_segments(pp, vp, pattern):
+    """megatron gives pipe segment ``vp_stage * pp + pp_rank`` to that virtual stage of that
+    rank; the multi-token prediction depth after '/' stays whole."""
+    from core.testing.parallel import hybrid_pattern
+
+    assert hybrid_pattern(Layout("h", pp=pp, vp=vp, model="hybrid")) == pattern

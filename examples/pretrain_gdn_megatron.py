@@ -146,10 +146,10 @@ def check_launcher_scope(args) -> None:
             raise ValueError("--megatron-transformer-config: megatron's TransformerConfig has no "
                              "fusion field, so the spec switches the fusion: pass --spec, e.g. "
                              "--spec core.models.fused_gdn_specs gpt_block_spec")
-        ignored = [flag for flag, value in (
-            ("--fused-gated-norm", args.fused_gated_norm),
-            ("--gdn-out-norm-zero-centered-gamma", args.gdn_out_norm_zero_centered_gamma is not None))
-            if value]
+        zero_centered = args.gdn_out_norm_zero_centered_gamma is not None
+        ignored = [flag for flag, given in (("--fused-gated-norm", args.fused_gated_norm),
+                                            ("--gdn-out-norm-zero-centered-gamma", zero_centered))
+                   if given]
         if ignored:
             raise ValueError(f"--megatron-transformer-config: megatron's TransformerConfig has "
                              f"no field for {', '.join(ignored)}; the spec switches the fusion")

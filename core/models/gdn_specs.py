@@ -272,8 +272,8 @@ def use_fused_gdn(spec: Any, fused_gated_norm: Optional[bool] = None) -> Any:
     ``fused_gated_norm``: None leaves the switch to ``config.fused_gated_norm``. True (or False)
     also sets our GDN specs' param of that name, which switches the fusion where the config has
     no such field: megatron's own TransformerConfig, which megatron's ``pretrain_gpt.py`` /
-    ``pretrain_hybrid.py`` build from their command line (:func:`fused_gdn_block_spec`,
-    :data:`fused_gdn_hybrid_stack_spec`). A config that has the field must agree with it
+    ``pretrain_hybrid.py`` build from their command line (``core.models.fused_gdn_specs``'s
+    ``gpt_block_spec`` and ``hybrid_stack_spec``). A config that has the field must agree with it
     (ValueError at construction, ``core.transformer.validate_gdn_config``).
 
     A spec function gives a spec function (``use_fused_gdn(provider.transformer_layer_spec)``:

@@ -22,6 +22,7 @@ from tests.gated_norm_checks import fp32_loss_tolerance
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "examples", "run_megatron_pairs.py")
 LAUNCHER = os.path.join(ROOT, "examples", "pretrain_gdn_megatron.py")
+STOCK = "--megatron-transformer-config"  # megatron's own config, as its pretrain scripts build it
 STEPS, SAVE_AT = 3, 2
 
 
@@ -266,12 +267,11 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
      "out --experimental-attention-variant"),
     (("--hybrid-layer-pattern", "*-*-"), ("--num-layers", "--experimental-attention-variant"),
      "--hybrid-layer-pattern '*-*-' has no GDN layer ('G')"),
-    (("--megatron-transformer-config",), (), "--megatron-transformer-config: megatron's "
-                                              "TransformerConfig has no fusion field, so the "
-                                              "spec switches the fusion: pass --spec"),
-    (("--megatron-transformer-config", "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs",
-      "gpt_block_spec"), (), "--megatron-transformer-config: megatron's TransformerConfig has "
-                             "no field for --fused-gated-norm"),
+    ((STOCK,), (), "--megatron-transformer-config: megatron's TransformerConfig has no fusion "
+                   "field, so the spec switches the fusion: pass --spec"),
+    ((STOCK, "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs", "gpt_block_spec"), (),
+     "--megatron-transformer-config: megatron's TransformerConfig has no field for "
+     "--fused-gated-norm"),
 ], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags",
         "hybrid_and_gpt_variant", "hybrid_without_gdn", "megatron_config_without_spec",
         "megatron_config_with_the_flag"])
@@ -423,9 +423,6 @@ def test_launcher_splits_sequences_over_context_parallel_ranks(tmp_path):
         assert json.loads(metrics.read_text())["gdn_layers_fused"] == 2
     for one, two in zip(runs[1], runs[2]):
         assert abs(one - two) <= fp32_loss_tolerance(one), runs
-
-
-STOCK = "--megatron-transformer-config"
 
 
 @pytest.mark.interpreter_backward

@@ -99,7 +99,8 @@ def test_a_config_with_the_field_must_agree():
         _gpt(off, fused_gdn_specs.gpt_block_spec(off))
     on = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
                     fused_gated_norm=True)
-    assert all(m.fused_gated_norm for m in _gdn_layers(_gpt(on, fused_gdn_specs.gpt_block_spec(on))))
+    model = _gpt(on, fused_gdn_specs.gpt_block_spec(on))
+    assert all(m.fused_gated_norm for m in _gdn_layers(model))
 
 
 def test_megatrons_spec_option_finds_them():

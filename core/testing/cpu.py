@@ -56,6 +56,10 @@ writer of ``megatron.core.dist_checkpointing``), and checks
     ``torch.cuda`` has no-op streams and synchronisation; everything else is the real torch.
   * ``TorchFullyShardedDataParallel`` (megatron's torch FSDP2 wrapper) builds its device mesh
     for "cuda": built for the CPU instead.
+  * megatron's MoE all-to-all token dispatcher (in :data:`TRAINING_MODULES`) copies its token
+    splits to the host on a side stream (a no-op stream here) with ``maybe_move_tensor_to_cpu``,
+    which leaves a CPU tensor as it is, so the splits would stay a tensor where
+    ``all_to_all_single`` takes numbers: :func:`host_copy_on_the_cpu` makes the NumPy copy.
   * ``LanguageModule.setup_embeddings_and_output_layer`` moves the embedding copy of a later
     pipeline stage (the MTP stage's, or a tied output layer's) with ``weight.data.cuda()``
     before its all-reduce: run with ``Tensor.cuda()`` returning the tensor itself.
@@ -260,6 +264,8 @@ TRAINING_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",  # torch.cuda.synchronize after p2p
+    # the MoE all-to-all dispatcher: a side stream for its device-to-host copies of the splits
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.utils",  # get_default_causal_mask of the local attention
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
     # dist_checkpointing's torch_dist writer synchronises CUDA after staging tensors on the host
@@ -304,6 +310,19 @@ class _NullStream:
         pass
 
     def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+
+class _NullEvent:
+    """A CUDA event stand-in (what a stream records; the CPU has nothing to wait for)."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
         pass
 
 
@@ -377,11 +396,23 @@ def install_cpu_training_shims() -> None:
     torch_fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
     if getattr(torch_fsdp2, "HAVE_FSDP", False):
         torch_fsdp2.DeviceMesh = _CpuDeviceMesh
+    token_dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    token_dispatcher.maybe_move_tensor_to_cpu = host_copy_on_the_cpu
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module").LanguageModule
     language_module.setup_embeddings_and_output_layer = _tensors_stay_on_the_cpu(
         language_module.setup_embeddings_and_output_layer)
     _TRAINING_INSTALLED = True
+
+
+def host_copy_on_the_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` (the MoE all-to-all dispatcher's device-to-host
+    copy of its token splits) where the tensors are on the CPU already: megatron's returns a CPU
+    tensor unchanged, so ``as_numpy`` would not apply and the splits would reach
+    ``all_to_all_single`` as a tensor instead of the numbers it takes."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _tensors_stay_on_the_cpu(method):

@@ -10,7 +10,8 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
     softmax attention), for pipeline parallelism (with virtual stages: one model chunk per
     stage, megatron's interleaved schedule);
   * ``"gpt-moe"``: the same with MoE MLPs in every layer (:data:`MOE_SIZES`, as Qwen3-Next),
-    for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks);
+    for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks; tokens
+    sent to them by megatron's all-to-all or all-gather dispatcher, ``Layout.token_dispatcher``);
   * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
     TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
     pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
@@ -73,10 +74,12 @@ GPT_LAYERS = 4    # linear_attention_freq 4: layers 0-2 GDN, layer 3 attention
 # "hybrid": GDN, GDN, attention, MLP; one MTP depth of a GDN and an MLP layer
 HYBRID_PATTERN = "GG*-/G-"
 # gpt-moe: 4 experts of 16 (2 per rank at EP 2), top-2 routing without a load-balancing loss
-# and without dropping tokens, megatron's default (all-gather) token dispatcher: its all-to-all
-# dispatcher creates a CUDA stream at construction.
+# and without dropping tokens; the token dispatcher is the layout's (Layout.token_dispatcher).
 MOE_SIZES = dict(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
-                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
+                 moe_router_load_balancing_type="none")
+# megatron's MoE token dispatchers the harness runs: all-to-all (as Qwen3-Next trains with
+# expert parallelism) and all-gather (megatron's default)
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
 VOCAB = 64
 LR = 1e-2
 FP16_INITIAL_LOSS_SCALE = 2.0**10
@@ -137,6 +140,7 @@ class Layout:
     vp: int = 1                          # virtual pipeline stages per pipeline rank (GPT and
                                          # hybrid models)
     etp: int = 1                         # expert tensor parallelism ("gpt-moe")
+    token_dispatcher: str = "alltoall"   # megatron's MoE token dispatcher ("gpt-moe")
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -151,6 +155,9 @@ class Layout:
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
             raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
                              "dividing tp x dp")
+        if self.token_dispatcher not in TOKEN_DISPATCHERS:
+            raise ValueError(f"Layout {self.name}: token_dispatcher must be one of "
+                             f"{TOKEN_DISPATCHERS}, got {self.token_dispatcher!r}")
         if self.vp > 1 and (self.pp == 1 or self.single_gdn or GPT_LAYERS % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT or hybrid model and "
                              f"pp x vp dividing its {GPT_LAYERS} decoder layers")
@@ -300,7 +307,8 @@ def layout_config(layout: Layout, fused: bool):
         extra.update(experimental_attention_variant=None, linear_attention_freq=None,
                      mtp_num_layers=1)
     if layout.model == "gpt-moe":
-        extra.update(MOE_SIZES, expert_model_parallel_size=layout.ep,
+        extra.update(MOE_SIZES, moe_token_dispatcher_type=layout.token_dispatcher,
+                     expert_model_parallel_size=layout.ep,
                      expert_tensor_parallel_size=layout.etp)
     return gdn_config(
         params_dtype=layout.dtype, fused_gated_norm=fused,
@@ -703,6 +711,9 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
                        for m in chunk.modules() if hasattr(m, "out_norm")],
         recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
                            if hasattr(m, "recompute_norm_out")],
+        # the MoE layers' token dispatcher classes
+        token_dispatchers={type(m.token_dispatcher).__name__ for chunk in chunks
+                           for m in chunk.modules() if hasattr(m, "token_dispatcher")},
         # the parameters finalize_model_grads AVG-reduces over TP (the GDN output norms' where
         # megatron leaves their partial gradients)
         tp_avg_tagged={name for name, p in built

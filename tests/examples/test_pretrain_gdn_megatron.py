@@ -356,18 +356,21 @@ def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path, patt
 @pytest.mark.interpreter_backward
 def test_launcher_trains_moe_mlps_over_expert_parallel_ranks(tmp_path):
     """megatron's MoE flags on the launcher's command line: TP 2 with SP, the MLPs' 4 experts
-    over EP 2 and not split over TP (as Qwen3-Next trains), every GDN layer fused."""
+    over EP 2 and not split over TP, tokens sent by megatron's all-to-all dispatcher (as
+    Qwen3-Next trains), every GDN layer fused."""
     proc, metrics = _launch(tmp_path, "--fused-gated-norm", "--tensor-model-parallel-size", "2",
                             "--sequence-parallel", "--num-experts", "4",
                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
                             "1", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
-                            "--moe-router-load-balancing-type", "none", iterations=2, warmup=1,
+                            "--moe-router-load-balancing-type", "none",
+                            "--moe-token-dispatcher-type", "alltoall", iterations=2, warmup=1,
                             nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(metrics.read_text())
     assert (summary["tensor_model_parallel_size"], summary["expert_model_parallel_size"],
             summary["num_experts"]) == (2, 2, 4)
     assert summary["gdn_layers"] == summary["gdn_layers_fused"] == 1
+    assert re.search(r"moe_token_dispatcher_type \.+ alltoall", proc.stdout)  # megatron's args
     losses = [it["loss"] for it in summary["iterations"]]
     assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
 

@@ -87,9 +87,12 @@ WORLDS = {
         # two replicas of each expert (expert data parallelism), sharded by the optimizer
         Layout("moe-tp2-sp-dp2-ep2-distopt", tp=2, sequence_parallel=True, dp=2, ep=2,
                distributed_optimizer=True, model="gpt-moe"),
-        # experts split over TP as well (megatron's default expert_tensor_parallel_size = TP)
+        # experts split over TP as well (megatron's default expert_tensor_parallel_size = TP),
+        # tokens sent by megatron's default dispatcher, all-gather (the other MoE layouts use
+        # all-to-all, as Qwen3-Next; at ETP 2 it gathers uneven token counts over the ETP
+        # ranks, which gloo's all-gather refuses)
         Layout("moe-tp2-sp-dp2-ep2-etp2", tp=2, sequence_parallel=True, dp=2, ep=2, etp=2,
-               model="gpt-moe"),
+               model="gpt-moe", token_dispatcher="allgather"),
         Layout("pp2-vp2-tp2-sp-recompute", pp=2, vp=2, tp=2, sequence_parallel=True,
                recompute=True, model="gpt"),
         Layout("layernorm-tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True,
@@ -301,6 +304,17 @@ def test_hybrid_stages_split_the_pattern_and_the_last_holds_the_mtp_depth(worlds
 
 
 MOE_CASES = [(layout, fused) for layout, fused in CASES if layout.ep > 1]
+
+
+@pytest.mark.parametrize("layout, fused", MOE_CASES,
+                         ids=[case_key(layout, fused) for layout, fused in MOE_CASES])
+def test_moe_layers_dispatch_with_the_layouts_dispatcher(worlds, layout, fused):
+    """Every MoE layer of every rank sends its tokens with the dispatcher the layout names
+    (megatron's MoEAlltoAllTokenDispatcher or MoEAllGatherTokenDispatcher)."""
+    expected = {"alltoall": "MoEAlltoAllTokenDispatcher",
+                "allgather": "MoEAllGatherTokenDispatcher"}[layout.token_dispatcher]
+    for record in _records(worlds, layout, fused):
+        assert record["token_dispatchers"] == {expected}, record["coords"]
 
 
 @pytest.mark.parametrize("layout, fused", MOE_CASES,

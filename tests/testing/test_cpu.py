@@ -51,6 +51,22 @@ def test_training_modules_allocate_cuda_literals_on_the_cpu():
     assert torch.zeros(2).device == torch.device("cpu")  # the real torch elsewhere
 
 
+def test_all_to_all_dispatcher_gets_its_token_splits_as_numbers():
+    """megatron's all-to-all dispatcher: its side stream is a no-op stand-in, and its host copy
+    of the token splits (as_numpy) gives NumPy values, as the copy of a CUDA tensor would."""
+    import numpy
+
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    stream = dispatcher.torch.cuda.Stream()
+    stream.wait_stream(dispatcher.torch.cuda.current_stream())
+    stream.record_event().synchronize()
+    splits = torch.tensor([3, 1])
+    copied = dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True, record_stream=True)
+    assert isinstance(copied, numpy.ndarray) and copied.tolist() == [3, 1]
+    assert dispatcher.maybe_move_tensor_to_cpu(splits) is splits
+    assert dispatcher.maybe_move_tensor_to_cpu(None, as_numpy=True) is None
+
+
 def test_embedding_setup_keeps_tensors_on_the_cpu_and_only_there():
     """LanguageModule.setup_embeddings_and_output_layer runs with Tensor.cuda() returning the
     tensor itself; Tensor.cuda is megatron's own again after it, also when it raises."""

@@ -718,5 +718,6 @@ def main(argv=None) -> None:
     else:
         run_parts(args)
 
+
 if __name__ == "__main__":
     main()

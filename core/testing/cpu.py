@@ -322,9 +322,6 @@ class _NullEvent:
     def synchronize(self):
         pass
 
-    def wait(self, stream=None):
-        pass
-
 
 class _CpuCuda(types.ModuleType):
     """``torch.cuda`` with streams, synchronisation and the cache made no-ops."""

@@ -73,6 +73,7 @@ PACKED_SEQLENS = (8, 12, 12)  # THD: three sequences, B = 1; each divisible by 2
 GPT_LAYERS = 4    # linear_attention_freq 4: layers 0-2 GDN, layer 3 attention
 # "hybrid": GDN, GDN, attention, MLP; one MTP depth of a GDN and an MLP layer
 HYBRID_PATTERN = "GG*-/G-"
+HYBRID_DECODER, HYBRID_MTP = HYBRID_PATTERN.split("/", 1)
 # gpt-moe: 4 experts of 16 (2 per rank at EP 2), top-2 routing without a load-balancing loss
 # and without dropping tokens; the token dispatcher is the layout's (Layout.token_dispatcher).
 MOE_SIZES = dict(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
@@ -158,9 +159,10 @@ class Layout:
         if self.token_dispatcher not in TOKEN_DISPATCHERS:
             raise ValueError(f"Layout {self.name}: token_dispatcher must be one of "
                              f"{TOKEN_DISPATCHERS}, got {self.token_dispatcher!r}")
-        if self.vp > 1 and (self.pp == 1 or self.single_gdn or GPT_LAYERS % (self.pp * self.vp)):
+        if self.vp > 1 and (self.pp == 1 or self.single_gdn
+                            or self.decoder_layers % (self.pp * self.vp)):
             raise ValueError(f"Layout {self.name}: vp > 1 needs pp > 1, a GPT or hybrid model and "
-                             f"pp x vp dividing its {GPT_LAYERS} decoder layers")
+                             f"pp x vp dividing its {self.decoder_layers} decoder layers")
         if self.packed and self.dp > 1:
             raise ValueError(f"Layout {self.name}: packed sequences have B = 1, so dp must be 1")
         if self.sequence_parallel and self.tp == 1:
@@ -199,6 +201,13 @@ class Layout:
     def single_gdn(self) -> bool:
         """The model is one GatedDeltaNet module (not a GPTModel or a HybridModel)."""
         return self.model in ("gdn", "gdn-layernorm")
+
+    @property
+    def decoder_layers(self) -> int:
+        """The decoder layers of the GPT or hybrid model (0 for the GDN module)."""
+        if self.single_gdn:
+            return 0
+        return len(HYBRID_DECODER) if self.model == "hybrid" else GPT_LAYERS
 
     @property
     def gpt(self) -> bool:
@@ -372,9 +381,9 @@ def hybrid_pattern(layout: Layout) -> str:
     segments = layout.pp * layout.vp
     if segments == 1:
         return HYBRID_PATTERN
-    decoder, mtp = HYBRID_PATTERN.split("/", 1)
-    size = len(decoder) // segments
-    return "|".join(decoder[i:i + size] for i in range(0, len(decoder), size)) + "/" + mtp
+    size = len(HYBRID_DECODER) // segments
+    return ("|".join(HYBRID_DECODER[i:i + size] for i in range(0, len(HYBRID_DECODER), size))
+            + "/" + HYBRID_MTP)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
 from megatron.core.transformer.transformer_config import (
@@ -78,7 +79,7 @@ def test_hybrid_stack_spec_fuses_every_g_layer_of_megatrons_config():
     layers = _gdn_layers(model)
     assert len(layers) == 3 and all(type(m) is GatedDeltaNet and m.fused_gated_norm
                                     for m in layers)
-    unfused = build(use_fused_gdn(fused_gdn_specs._megatron_hybrid_stack_spec))
+    unfused = build(use_fused_gdn(hybrid_stack_spec))  # ours, without the param: off
     assert assert_language_model_matches_unfused(model, unfused, VOCAB, SEQ, seed=5) == 3
 
 

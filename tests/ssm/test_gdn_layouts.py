@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from core.testing.cpu import init_cpu_model_parallel
-from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, HYBRID_PATTERN, MOE_SIZES,
+from core.testing.parallel import (DECAY_PARAMS, GPT_LAYERS, HYBRID_DECODER, MOE_SIZES,
                                    REFERENCE, Layout, case_key, grad_errors, grad_mismatches,
                                    layout_config, make_reference, partial_out_norm_grad,
                                    reference_worker, replica_mismatches, run_case, spawn_layouts,
@@ -275,8 +275,8 @@ def test_virtual_pipeline_stages_interleave_the_layers(worlds, layout, fused):
     for record in _records(worlds, layout, fused):
         layers = _decoder_layers(record)
         pp_rank = record["coords"]["pp"]
-        assert sorted(layers) == list(range(pp_rank, GPT_LAYERS, layout.pp)), (record["coords"],
-                                                                               layers)
+        expected = list(range(pp_rank, layout.decoder_layers, layout.pp))
+        assert sorted(layers) == expected, (record["coords"], layers)
 
 
 HYBRID_PIPELINE_CASES = [(layout, fused) for layout, fused in CASES
@@ -299,7 +299,7 @@ def test_hybrid_stages_split_the_pattern_and_the_last_holds_the_mtp_depth(worlds
         assert sorted(layers) == expected[last], (record["coords"], layers)
         assert any(name.startswith("mtp.") for name in names) == last
         assert "embedding.word_embeddings.weight" in names
-        gdn_layers = sum(HYBRID_PATTERN.split("/")[0][i] == "G" for i in expected[last])
+        gdn_layers = sum(HYBRID_DECODER[i] == "G" for i in expected[last])
         assert record["fused_modules"] == [fused] * (gdn_layers + last), record["coords"]
 
 

@@ -166,8 +166,9 @@ class _RecordingKernel:
 
 
 def forward_launch_arguments(x, gate, weight):
-    """(grid, tensors, scalars, warps, options) exactly as forward_impl hands them to its
-    launcher (options: launch_pdl where the GPU takes programmatic dependent launch)."""
+    """(grid, tensors, scalars, warps, options) exactly as forward_impl's launcher hands them to
+    ``kernel[grid]`` (options: its compile options, and launch_pdl where the GPU takes
+    programmatic dependent launch)."""
     launcher, recorder = fgn.launch_forward, _RecordingKernel()
     kernel, compiled = launcher.kernel, launcher.compiled
     launcher.kernel, launcher.compiled = recorder, {}  # every launch reaches the recorder
@@ -246,10 +247,10 @@ def training_host_cost(timer: HostTimer) -> None:
     grid, tensors, scalars, warps, options = forward_launch_arguments(xd, gd, wd)
     timer.measure("ref_triton_launch_us",
                   lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps, **options))
+    pdl = options.get("launch_pdl", False)  # the launcher adds its compile options itself
     timer.measure("direct_launcher_us",
-                  lambda: fgn.launch_forward(grid, tensors, scalars, warps, **options))
-    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps,
-                                          **options)
+                  lambda: fgn.launch_forward(grid, tensors, scalars, warps, launch_pdl=pdl))
+    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps, pdl)
     timer.measure("direct_launcher_prepared_us",
                   lambda: fgn.launch_forward.launch(grid, tensors, prepared))
     timer.add_sum("validation_plus_launch_us", "validation_us", "direct_launcher_us")

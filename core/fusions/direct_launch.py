@@ -23,7 +23,7 @@ the kernel compiled at a key's first launch serves it from then on, so set them 
 first launch (``TRITON_DEBUG=1`` in the environment), or turn the direct path off (below).
 
 The direct call is Triton's private launcher ABI (the call ``JITFunction.run`` ends with), as
-written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6, 3.7 and 3.8). Each launcher
+written for the Triton versions in ``LAUNCHER_PARAMETERS`` (3.6 to 3.9). Each launcher
 checks its first compiled kernel against it: the Triton version, and the parameters of the compiled
 kernel's launcher and ``launch_metadata``. On a mismatch it launches through ``kernel[grid]``
 from then on, and the process gets one warning. ``GDN_FUSED_NORM_DIRECT_LAUNCH=0`` in the
@@ -53,14 +53,15 @@ TRITON_VERSION = triton.__version__
 # Parameters of a compiled kernel's launcher (``CompiledKernel.run``), by Triton major.minor.
 # JITFunction.run calls it the same way in all: (grid x, y, z, stream, function, packed
 # metadata, launch metadata, enter hook, exit hook, *kernel arguments); 3.6 passes everything
-# after the function through *args, 3.7 names it, 3.8 keeps 3.7's launcher (its C launch call
-# too: integer pointers skip the driver query, None hooks are not called).
+# after the function through *args, 3.7 names it, 3.8 and 3.9 keep 3.7's launcher (its C launch
+# call too: integer pointers skip the driver query, None hooks are not called).
 _NAMED_HOOKS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
                 "launch_metadata", "launch_enter_hook", "launch_exit_hook", "*args")
 LAUNCHER_PARAMETERS = {
     "3.6": ("gridX", "gridY", "gridZ", "stream", "function", "*args"),
     "3.7": _NAMED_HOOKS,
     "3.8": _NAMED_HOOKS,
+    "3.9": _NAMED_HOOKS,
 }
 LAUNCH_METADATA_PARAMETERS = ("grid", "stream", "*args")
 
@@ -129,15 +130,19 @@ class PreparedLaunch(NamedTuple):
 
 class DirectLauncher:
     """``launch(grid, tensors, scalars, num_warps)`` == ``kernel[(grid,)](*tensors, *scalars,
-    num_warps=num_warps)`` for a kernel whose parameters are the tensors followed by the
-    scalars, every parameter passed (defaults included: the compiled kernel takes them all);
-    ``launch_pdl=True`` adds Triton's option of that name (the compiled kernel keeps it).
+    num_warps=num_warps, **compile_options)`` for a kernel whose parameters are the tensors
+    followed by the scalars, every parameter passed (defaults included: the compiled kernel takes
+    them all); ``launch_pdl=True`` adds Triton's option of that name (the compiled kernel keeps
+    it).
     The tensors are on the current CUDA device, as for ``kernel[grid]``; ``None`` is a null
     pointer. ``launch.launch(grid, tensors, launch.prepare(dtypes, scalars, num_warps))`` is the
     same launch with the key's argument part computed once."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, **compile_options):
         self.kernel = kernel
+        # Triton compile options given on every launch (``enable_fp_fusion=True``): fixed per
+        # launcher, so they take no part in the launch key.
+        self.compile_options = compile_options
         # (device, signature, whether each pointer is 16-byte aligned) -> compiled kernel
         self.compiled = {}
         # (key scalars, warps, tensor dtypes) -> signature; numbers are never reused, so a
@@ -181,7 +186,9 @@ class DirectLauncher:
                 self._run(compiled, grid, device, tensors, pointers, prepared.scalars)
                 return
         scalars = prepared.scalars
-        options = {"launch_pdl": True} if prepared.launch_pdl else {}
+        options = self.compile_options
+        if prepared.launch_pdl:
+            options = {**options, "launch_pdl": True}
         compiled = self.kernel[(grid,)](*tensors, *scalars, num_warps=prepared.num_warps, **options)
         if compiled is None or self.direct is False:
             return  # the interpreter ran it (nothing compiled to keep), or direct launch is off
@@ -214,7 +221,7 @@ class DirectLauncher:
           (cuPointerGetAttribute), which only checks that the address is device memory; the
           callers' validation requires CUDA tensors (gated_norm_validation.check_operands), and the
           first launch of every key went through JITFunction.run, which made the check itself;
-        - with no launch hook registered (Triton 3.6-3.8 keep empty hook chains and call
+        - with no launch hook registered (Triton 3.6-3.9 keep empty hook chains and call
           them on every launch), neither the hooks nor their metadata are built or called.
         ``self.compiled`` keeps the CompiledKernel itself, not its ``function`` handle: from
         Triton 3.8 on, a CompiledKernel unloads its module when it is freed (``__del__``).
@@ -232,7 +239,7 @@ class DirectLauncher:
 
 
 def _has_hooks(hook) -> bool:
-    """A launch hook (a plain callable) or a chain of them (``.calls``, Triton 3.6-3.8) that
+    """A launch hook (a plain callable) or a chain of them (``.calls``, Triton 3.6-3.9) that
     calls anything."""
     return hook is not None and bool(getattr(hook, "calls", True))
 

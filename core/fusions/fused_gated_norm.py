@@ -353,11 +353,16 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
 
+# FP contraction (a * b + c as one FMA) is part of the kernels' numerics: their bits are
+# validated with it on, Triton's default up to 3.9. Requested explicitly, so neither
+# TRITON_DEFAULT_FP_FUSION=0 nor Triton 3.10's new default (off) recompiles them otherwise.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
 # Repeated calls skip JITFunction.run's binding (direct_launch.py; the host time it saves is in
 # docs/benchmarks.md, Host cost).
-launch_forward = DirectLauncher(gated_norm_fwd)
-launch_backward = DirectLauncher(gated_norm_bwd)
-launch_dw_sum = DirectLauncher(gated_norm_dw_sum)
+launch_forward = DirectLauncher(gated_norm_fwd, **COMPILE_OPTIONS)
+launch_backward = DirectLauncher(gated_norm_bwd, **COMPILE_OPTIONS)
+launch_dw_sum = DirectLauncher(gated_norm_dw_sum, **COMPILE_OPTIONS)
 
 # (batch, sequence, head) strides, flat tokens, dense blocks: how a kernel addresses a view.
 Layout = tuple[tuple[int, int, int], bool, bool]

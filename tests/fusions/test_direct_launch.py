@@ -60,7 +60,8 @@ class FakeCompiled36(FakeCompiled):
 
 
 # A fake compiled kernel with each known launcher's parameters (direct_launch.LAUNCHER_PARAMETERS).
-FAKE_LAUNCHERS = {"3.6": FakeCompiled36, "3.7": FakeCompiled, "3.8": FakeCompiled}
+FAKE_LAUNCHERS = {"3.6": FakeCompiled36, "3.7": FakeCompiled, "3.8": FakeCompiled,
+                  "3.9": FakeCompiled}
 
 
 class FakeParam:
@@ -368,7 +369,7 @@ class OtherLaunchMetadata(FakeCompiled):
 
 
 @pytest.mark.parametrize("triton_version, compiled, reason", [
-    ("3.9.0", FakeCompiled, "Triton 3.9.0 is not a version its launcher ABI is known for"),
+    ("3.10.0", FakeCompiled, "Triton 3.10.0 is not a version its launcher ABI is known for"),
     ("2.3.1", FakeCompiled, "Triton 2.3.1 is not a version"),
     ("3.6.0", FakeCompiled, "launcher takes .*'kernel_metadata'.*, not"),  # 3.7's under 3.6
     ("3.8.0", FakeCompiled36, r"launcher takes \('gridX', 'gridY', 'gridZ', 'stream', "

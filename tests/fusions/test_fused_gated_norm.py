@@ -318,6 +318,31 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
     )
 
 
+def test_every_kernel_launch_asks_for_fp_contraction(monkeypatch):
+    """The kernels' bits are validated with FP contraction (FMA) on: each launch of the three
+    kernels, from training and from the inference entry, asks for it, so neither
+    TRITON_DEFAULT_FP_FUSION=0 nor a Triton whose default is off compiles them another way."""
+    options = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: options.append(kwargs)
+
+    launchers = (kernel_module.launch_forward, kernel_module.launch_backward,
+                 kernel_module.launch_dw_sum)
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "kernel", Recorder())
+        monkeypatch.setattr(launcher, "compiled", {})  # every launch reaches the recorder
+    x, gate, weight = make_inputs((2, 5, 3, 64), torch.bfloat16)
+    _, rstd = kernel_module.forward_impl(x, gate, weight, EPS)
+    kernel_module.backward_impl(x, gate, weight, rstd, torch.ones_like(x))
+    with torch.no_grad():
+        x2 = x.flatten(0, 1).flatten(-2)
+        fused_gdn_gated_rms_norm(x2, x2, weight, torch.empty_like(x2), EPS, 3, 64)
+    assert len(options) == 4
+    assert all(kwargs["enable_fp_fusion"] is True for kwargs in options), options
+
+
 # ------------------------------------------------------------------------------------ backward
 
 

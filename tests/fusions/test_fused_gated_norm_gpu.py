@@ -54,6 +54,27 @@ def test_parity_with_the_unfused_path(shape, variant):
                             names=("dx", "dweight"))
 
 
+def test_kernels_keep_fp_contraction_where_tritons_default_is_off(monkeypatch):
+    """With Triton's default FP contraction off (TRITON_DEFAULT_FP_FUSION=0; Triton 3.10's
+    default), the kernels still compile with it on and give the same bits."""
+    x, g, w, dy, _ = make_grad_inputs((1, 512, 8, 128), "plain", seed=3)
+    x, g, w = x.detach(), g.detach(), w.detach()
+
+    def run():
+        for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+            launcher.compiled.clear()  # each launch asks JITFunction.run for its kernel again
+        out, rstd = fgn.forward_impl(x, g, w, EPS)
+        return (out, *fgn.backward_impl(x, g, w, rstd, dy))
+
+    default = run()
+    monkeypatch.setattr(triton.knobs.language, "default_fp_fusion", False)
+    off = run()
+    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+        assert launcher.compiled, "launched directly from then on"
+        assert all(k.metadata.enable_fp_fusion for k in launcher.compiled.values())
+    assert all(torch.equal(a, b) for a, b in zip(default, off))
+
+
 @triton.jit
 def _exp_mismatches(counts, BLOCK: tl.constexpr):
     """Per block of fp32 bit patterns g, how many give other bits (NaN equals NaN) in:

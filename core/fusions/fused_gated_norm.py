@@ -353,9 +353,10 @@ def gated_norm_dw_sum(dw_partial, dweight, PROGRAMS, WEIGHT_GRAD_SCALE, D: tl.co
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
 
-# FP contraction (a * b + c as one FMA) is part of the kernels' numerics: their bits are
-# validated with it on, Triton's default up to 3.9. Requested explicitly, so neither
-# TRITON_DEFAULT_FP_FUSION=0 nor Triton 3.10's new default (off) recompiles them otherwise.
+# FP contraction (a * b + c as one FMA) on: Triton's default up to 3.9, and how the kernels are
+# tested and timed. Off (TRITON_DEFAULT_FP_FUSION=0; Triton 3.10's default) they keep their
+# accuracy but run up to 8 % slower at small row counts (docs/design.md, Launch choices), so
+# every launch asks for it.
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 # Repeated calls skip JITFunction.run's binding (direct_launch.py; the host time it saves is in

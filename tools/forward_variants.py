@@ -99,7 +99,7 @@ def variant_launches(x, gate, weight, out, rstd, eps, programs_cap=132 * 16):
 
         def launch(grid=grid, bt=bt, warps=warps, flags=(loop, off32, evict, cs)):
             contiguous_fwd[(grid,)](x, gate, weight, out, rstd, rows, dim, eps, bt, block_d,
-                                    *flags, num_warps=warps)
+                                    *flags, num_warps=warps, **_fgn.COMPILE_OPTIONS)
         launches.append((name, launch))
     return launches
 

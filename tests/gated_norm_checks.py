@@ -21,7 +21,8 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
+from core.fusions.gated_norm_reference import (bitwise_share, relative_error, ulp_distance,
+                                               unfused_gated_norm)
 from tests.gated_norm_inputs import EPS
 
 # An fp32 gradient (dW of an fp32 weight) carries no rounding to a low precision, only that of
@@ -39,11 +40,6 @@ LOSS_ULPS_FP32 = 8
 def fp32_loss_tolerance(loss: float) -> float:
     """LOSS_ULPS_FP32 fp32 ulps at |loss| (a normal fp32 value)."""
     return LOSS_ULPS_FP32 * 2.0 ** (math.frexp(abs(loss))[1] - 24)
-
-
-def bitwise_share(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The share of elements of ``out`` bitwise equal to ``ref`` (a NaN equals a NaN)."""
-    return ((out == ref) | (out.isnan() & ref.isnan())).float().mean().item()
 
 
 def assert_bitwise_or_within_ulps(out, ref, max_ulps: int | None = 1, min_bitwise: float = 0.999):

@@ -24,8 +24,8 @@ from tools.bench_common import (EPS, bench_graph, environment, log, make_inputs,
                                 parse_shape, require_cuda, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
-from core.fusions.gated_norm_reference import (relative_error, ulp_distance,  # noqa: E402
-                                               unfused_gated_norm)
+from core.fusions.gated_norm_reference import (bitwise_share, relative_error,  # noqa: E402
+                                               ulp_distance, unfused_gated_norm)
 
 DEFAULT_SHAPES = "1x4096x32x128,1x4096x8x128,1x4096x8x256"
 LAUNCHERS = (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum)
@@ -61,7 +61,7 @@ def accuracy(x, gate, weight, dy) -> dict:
     exact = _gradients(unfused_gated_norm, *(t.double() for t in (x, gate, weight, dy)))
     fused = _gradients(fgn.fused_gated_norm, x, gate, weight, dy)
     unfused = _gradients(unfused_gated_norm, x, gate, weight, dy)
-    return {"bitwise_share": (out.view(torch.int16) == ref.view(torch.int16)).double().mean().item(),
+    return {"bitwise_share": bitwise_share(out, ref),
             "max_ulps": ulp_distance(out, ref).max().item(),
             "grad_rel_err": {n: relative_error(f, e) for n, f, e in zip(GRADIENTS, fused, exact)},
             "unfused_grad_rel_err": {n: relative_error(u, e)

@@ -111,10 +111,6 @@ def fwd_bwd(module, x, dy):
     return out.detach(), x.grad.detach(), grads
 
 
-def bitwise_share(a, b) -> float:
-    return (a == b).float().mean().item()
-
-
 def max_ulp(a, b) -> int:
     from core.fusions.gated_norm_reference import ulp_distance
 
@@ -145,7 +141,7 @@ def norm_section_parity(off, on, x_in, dy) -> dict:
     """The fused norm against megatron's unfused ``_apply_gated_norm`` (eager as written, and as
     it runs with jit_fuser) on the layer's real tensors: the forward's bits, and out, dx, dgate,
     dW against a float64 evaluation of the same section."""
-    from core.fusions.gated_norm_reference import relative_error, unfused_gated_norm
+    from core.fusions.gated_norm_reference import bitwise_share, relative_error, unfused_gated_norm
     from core.testing.gdn import eager_megatron_gdn
 
     xn, gate, dout = norm_section_inputs(off, x_in, dy)
@@ -188,7 +184,7 @@ def norm_section_parity(off, on, x_in, dy) -> dict:
 def layer_parity(setup: LayerSetup, seq: int, batch: int) -> dict:
     """Flag on vs off (jit and eager) against an fp32 copy of the layer (megatron's torch chunk
     path, deterministic_mode: the same math, no FLA autotuning for fp32), and the norm section."""
-    from core.fusions.gated_norm_reference import relative_error
+    from core.fusions.gated_norm_reference import bitwise_share, relative_error
     from core.testing.gdn import eager_megatron_gdn
 
     off, on = setup.make_module(False), setup.make_module(True)

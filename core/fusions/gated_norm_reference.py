@@ -6,7 +6,8 @@ rounding, then the fp32 gate product, then a second rounding): the training kern
 it bit for bit. ``one_rounding_gated_norm`` is vLLM's / FLA's semantics (fp32 throughout, one
 rounding at the end), used by the inference entry point (``inference_gated_norm`` on its
 [tokens, heads * head_dim] tensors). Called with float64 tensors, both are
-the exact references for error measurements. ``ulp_distance`` is the one ulp measure.
+the exact references for error measurements. ``ulp_distance`` is the one ulp measure,
+``bitwise_share`` the one share of equal elements.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, lowest - i, i)  # sign-magnitude -> monotone integers
 
     return (ordered(a) - ordered(b)).abs()
+
+
+def bitwise_share(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The share of elements of ``out`` bitwise equal to ``ref`` (a NaN equals a NaN)."""
+    return ((out == ref) | (out.isnan() & ref.isnan())).float().mean().item()
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

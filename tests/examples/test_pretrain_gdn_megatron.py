@@ -223,12 +223,16 @@ def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=Non
     for flag in drop:
         i = cmd.index(flag)
         del cmd[i:i + (2 if i + 1 < len(cmd) and not cmd[i + 1].startswith("--") else 1)]
-    # the repository first, then whatever the caller's PYTHONPATH holds (a megatron checkout)
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                              "PYTHONPATH": path},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_cpu_env(), capture_output=True, text=True,
+                          timeout=600)
     return proc, metrics_path
+
+
+def _cpu_env() -> dict:
+    """The environment of a launcher process on the CPU: no GPU visible, the repository first
+    on PYTHONPATH, then whatever the caller's holds (a megatron checkout)."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
 
 
 @pytest.mark.interpreter_backward
@@ -305,10 +309,8 @@ def test_launcher_refuses_the_hybrid_model_on_a_gpu_without_te():
         "launcher.HAVE_TE = True\n"
         "launcher.check_launcher_scope(args)\n"
         "print('ACCEPTED with TE')\n")
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path},
-                          timeout=300)
+                          env=_cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("REFUSED: --hybrid-layer-pattern: megatron's HybridModel needs Transformer Engine "
             "(its hybrid stack spec and its final norm are TE modules), which is not installed"

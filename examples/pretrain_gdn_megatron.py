@@ -74,6 +74,10 @@ if not HAS_CUDA:
 
     install_cpu_shims(training_loop=True)  # before megatron.training and the GDN are imported
 
+# megatron's GatedDeltaNet imports FLA: an FLA that fails under the installed Triton is named
+# as the cause here, before megatron.training imports it (core.ssm.megatron_gdn_import).
+import core.ssm  # noqa: E402, F401
+
 from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
     BlendedMegatronDatasetBuilder,

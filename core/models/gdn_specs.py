@@ -49,6 +49,10 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
+# First: megatron's GDN specs import its GatedDeltaNet, which imports FLA; through core.ssm an FLA
+# that fails under the installed Triton is named as the cause (core.ssm.megatron_gdn_import).
+from core.ssm.gated_delta_net import GatedDeltaNet  # isort: skip
+
 from megatron.core.models.gpt import experimental_attention_variant_module_specs as _mgdn
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -67,7 +71,6 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from core.fusions.gated_norm_validation import check_bool
-from core.ssm.gated_delta_net import GatedDeltaNet
 from core.transformer.rms_norm import LocalNorm
 from core.transformer.transformer_config import check_gdn_field_types, gdn_out_norm_zero_centered
 

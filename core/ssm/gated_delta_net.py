@@ -48,13 +48,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet as _MegatronGatedDeltaNet
 from megatron.core.tensor_parallel import random as _tensor_parallel_random
 from megatron.core.transformer.spec_utils import build_module
 
 from core.fusions.fused_gated_norm import apply_validated_gated_norm, validate_gated_norm
 from core.fusions.gated_norm_validation import gate_activation_name
+from core.ssm.megatron_gdn_import import import_megatron_gdn
 from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
+
+_MegatronGatedDeltaNet = import_megatron_gdn().GatedDeltaNet
 
 # The tag megatron's finalize_model_grads AVG-reduces over TP, sequence parallelism on or off.
 TP_AVG_TAG = "average_gradients_across_tp_domain"
@@ -304,8 +306,8 @@ def torch_fsdp2_param(module: torch.nn.Module, name: str):
     the forward runs on an unsharded parameter that FSDP2 made without the original's attributes;
     megatron's wrapper copies those (the TP tag among them) onto the sharded one. FSDP2 keeps no
     link from one to the other, so its states are searched (torch's private
-    ``_module_state_mapping`` and ``FSDPParam``, torch 2.4 to 2.13: a torch without them gives
-    None)."""
+    ``_module_state_mapping`` and ``FSDPParam``, read from torch 2.4 to 2.13; the FSDP2 tests pass
+    with torch 2.13 to 2.15: a torch without them gives None)."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:

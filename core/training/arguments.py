@@ -20,6 +20,10 @@ import argparse
 import dataclasses
 import re
 
+# First: megatron.training imports megatron's GatedDeltaNet, which imports FLA; through core.ssm an
+# FLA that fails under the installed Triton is named as the cause (core.ssm.megatron_gdn_import).
+import core.ssm  # noqa: F401  # isort: skip
+
 from megatron.core.transformer.transformer_config import (
     TransformerConfig as MegatronTransformerConfig,
 )

@@ -17,7 +17,8 @@ tiny kernel each way and does nothing else, timed in the same rounds: the part o
 that autograd charges for the signature alone.
 ``backward_impl_in_autograd_us`` is ``backward_impl`` timed inside the backward through autograd,
 which the engine runs on its own thread for CUDA tensors, next to ``backward_impl_us`` called
-directly.
+directly in a loop and ``backward_impl_after_autograd_us`` called on this thread once after each
+backward of a trivial Function: the last two tell the engine's round trip from its thread.
 """
 
 from __future__ import annotations
@@ -109,6 +110,25 @@ def measure_inside(timer: HostTimer, name: str, module, attribute: str, call) ->
             per_round.append(spent[0] / timer.calls * 1e6)
     finally:
         setattr(module, attribute, original)
+    _synchronize()
+    timer.record(name, per_round)
+
+
+def measure_after(timer: HostTimer, name: str, before, call) -> None:
+    """Records ``name``: the us per call of ``call`` alone, each call right after one call of
+    ``before`` (untimed), in the timer's rounds."""
+    for _ in range(timer.warmup):
+        before()
+        call()
+    per_round = []
+    for _ in range(timer.rounds):
+        spent = 0.0
+        for _ in range(timer.calls):
+            before()
+            start = time.perf_counter()
+            call()
+            spent += time.perf_counter() - start
+        per_round.append(spent / timer.calls * 1e6)
     _synchronize()
     timer.record(name, per_round)
 
@@ -238,9 +258,14 @@ def training_host_cost(timer: HostTimer) -> None:
     timer.measure("forward_impl_us", lambda: fgn.forward_impl(xd, gd, wd, EPS))
     _, rstd = fgn.forward_impl(xd, gd, wd, EPS)
     timer.measure("backward_impl_us", lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
-    # The same backward_impl as the autograd engine runs it (on its device thread for CUDA).
+    # The same backward_impl as the autograd engine runs it (on its device thread for CUDA),
+    # and on this thread, one call after each backward of the trivial Function: what the call
+    # costs after an engine round trip, whichever thread runs it.
     measure_inside(timer, "backward_impl_in_autograd_us", fgn, "_backward",
                    own_work["backward_autograd_us"])
+    measure_after(timer, "backward_impl_after_autograd_us",
+                  own_work["ref_autograd_function_backward_us"],
+                  lambda: fgn.backward_impl(xd, gd, wd, rstd, dy))
     # References on this CPU: an allocation, Triton's own launch path (JITFunction.run) and the
     # project's launcher with forward_impl's own arguments.
     timer.measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))

@@ -10,8 +10,9 @@ import torch
 
 from tools import host_cost
 from tools.bench_common import make_inputs
-from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, HostTimer, measure_inside,
-                             own_work_calls, own_work_units, same_signature_units)
+from tools.host_cost import (OWN_WORK_PARTS, SAME_SIGNATURE_PARTS, HostTimer, measure_after,
+                             measure_inside, own_work_calls, own_work_units, same_signature_units)
+
 
 def test_host_timer_keeps_mean_and_best_round():
     timer = HostTimer()
@@ -43,6 +44,21 @@ def test_measure_inside_times_only_the_inner_function_and_puts_it_back(monkeypat
     measure_inside(timer, "inner_us", module, "inner", outer)
     assert results == [2] * (2 + 3 * 4) and module.inner is inner
     assert timer.mean["inner_us"] == timer.best["inner_us"] == 1e6  # one reading apart
+
+
+def test_measure_after_times_each_call_alone_right_after_its_predecessor(monkeypatch):
+    clock = iter(range(10**6))  # every reading of the clock is one second later
+    monkeypatch.setattr(host_cost, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    order = []
+
+    def before():
+        next(clock)  # time spent in the predecessor is not counted
+        order.append("before")
+
+    timer = HostTimer(rounds=2, calls=3, warmup=1)
+    measure_after(timer, "call_us", before, lambda: order.append("call"))
+    assert order == ["before", "call"] * (1 + 2 * 3)
+    assert timer.mean["call_us"] == timer.best["call_us"] == 1e6  # one reading apart
 
 
 def test_own_work_units_are_formed_per_interleaved_round():

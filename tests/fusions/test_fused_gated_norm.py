@@ -1035,6 +1035,34 @@ def test_a_launch_plan_is_never_reused_for_other_strides(monkeypatch):
             assert torch.equal(a, b)
 
 
+def test_a_kept_plan_holds_no_buffer_and_every_call_gets_its_own(monkeypatch):
+    """A plan keeps the shape of each buffer it allocates (rstd, the dW partials) as a
+    one-element template; every call gets new contiguous fp32 buffers, never the template's
+    memory."""
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    shape = (2, 5, 4, 64)
+    x, gate, weight = make_inputs(shape, torch.bfloat16)
+    dy = make_inputs(shape, torch.bfloat16, seed=4)[0]
+    partials, launch = [], kernel_module.launch_backward.launch
+    monkeypatch.setattr(kernel_module.launch_backward, "launch",
+                        lambda grid, tensors, *rest: (partials.append(tensors[-1]),
+                                                      launch(grid, tensors, *rest)))
+    rstds = [kernel_module.forward_impl(x, gate, weight, EPS)[1] for _ in range(2)]
+    for rstd in rstds:
+        kernel_module.backward_impl(x, gate, weight, rstd, dy)
+    forward_plan, backward_plan = kernel_module._launch_plans.values()
+    assert forward_plan.rstd.shape == shape[:3]
+    assert backward_plan.dw_partials.shape == (backward_plan.grid, shape[3])
+    for buffers, template in ((rstds, forward_plan.rstd), (partials, backward_plan.dw_partials)):
+        assert template.untyped_storage().nbytes() == 4
+        storages = {template.untyped_storage().data_ptr()}
+        for buffer in buffers:
+            assert buffer.shape == template.shape and buffer.dtype == torch.float32
+            assert buffer.is_contiguous() and buffer.device == x.device
+            storages.add(buffer.untyped_storage().data_ptr())
+        assert len(storages) == 3
+
+
 def test_a_launch_plan_is_kept_per_current_device(monkeypatch):
     """The same tensors with another current device (torch.cuda.set_device on a GPU) go through
     the rules again: the kernels launch on the current device."""

@@ -208,21 +208,27 @@ def test_every_split_the_driver_asks_for_holds_a_sample(size):
             assert tokens * weight / sum(weights) > 2 * (seq + 1), (size, weights, seq)
 
 
+def _launcher_args(metrics_path, *extra, drop=(), iterations=1, warmup=0, model=None) -> list:
+    """The launcher's command line with the driver's tiny model (or ``model``, its arguments) on
+    the CPU, ``drop`` flags (with their value, if any) left out."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    args = [*(model or driver.MODEL["cpu"]), *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
+            "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
+            str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
+    for flag in drop:
+        i = args.index(flag)
+        del args[i:i + (2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1)]
+    return args
+
+
 def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=None,
             metrics="metrics.json"):
-    """The launcher on the CPU through torchrun (``nproc`` processes) with the driver's tiny
-    model (or ``model``, its arguments), ``drop`` flags (with their value, if any) left out of
-    the command line; returns the process and the path of its --gdn-metrics-out file."""
-    driver = _module(DRIVER, "run_megatron_pairs")
+    """The launcher on the CPU through torchrun (``nproc`` processes) with _launcher_args;
+    returns the process and the path of its --gdn-metrics-out file."""
     metrics_path = out_dir / metrics
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), LAUNCHER,
-           *(model or driver.MODEL["cpu"]), *driver.COMMON, *driver.CPU_ONLY, "--mock-data",
-           "--deterministic-mode", "--train-iters", str(iterations), "--lr-warmup-iters",
-           str(warmup), "--gdn-metrics-out", str(metrics_path), *extra]
-    for flag in drop:
-        i = cmd.index(flag)
-        del cmd[i:i + (2 if i + 1 < len(cmd) and not cmd[i + 1].startswith("--") else 1)]
+           str(nproc), LAUNCHER, *_launcher_args(metrics_path, *extra, drop=drop,
+                                                 iterations=iterations, warmup=warmup, model=model)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_cpu_env(), capture_output=True, text=True,
                           timeout=600)
     return proc, metrics_path
@@ -256,66 +262,125 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
         assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"]), (runs[1], runs[2])
 
 
-@pytest.mark.parametrize("extra, drop, message", [
-    ((), ("--transformer-impl",), "--transformer-impl transformer_engine (megatron's default) "
-                                  "needs Transformer Engine, which is not installed"),
-    (("--spec", "no.such.module", "nothing"), (), "--spec no.such.module nothing: megatron could "
-                                                  "not import it"),
-    (("--mtp-num-layers", "1"), (), "--mtp-num-layers: megatron.training 0.19's GPTModelConfig "
-                                     "builds the MTP block from get_gpt_decoder_layer_specs"),
-    ((), ("--deterministic-mode", "--distributed-backend"),
+# The launcher's refusals: (id, extra flags, flags dropped, what the message says).
+REFUSALS = [
+    ("transformer_engine_without_te", (), ("--transformer-impl",),
+     "--transformer-impl transformer_engine (megatron's default) needs Transformer Engine, which "
+     "is not installed"),
+    ("spec_that_does_not_import", ("--spec", "no.such.module", "nothing"), (),
+     "--spec no.such.module nothing: megatron could not import it"),
+    ("mtp", ("--mtp-num-layers", "1"), (),
+     "--mtp-num-layers: megatron.training 0.19's GPTModelConfig builds the MTP block from "
+     "get_gpt_decoder_layer_specs"),
+    ("cpu_flags", (), ("--deterministic-mode", "--distributed-backend"),
      "without a GPU the launcher runs on the CPU, which needs --deterministic-mode (megatron's "
      "torch chunk rule"),
-    (("--hybrid-layer-pattern", "G*G-"), ("--num-layers",),
+    ("hybrid_and_gpt_variant", ("--hybrid-layer-pattern", "G*G-"), ("--num-layers",),
      "--hybrid-layer-pattern builds megatron's HybridModel, whose 'G' layers are the GDN: leave "
      "out --experimental-attention-variant"),
-    (("--hybrid-layer-pattern", "*-*-"), ("--num-layers", "--experimental-attention-variant"),
+    ("hybrid_without_gdn", ("--hybrid-layer-pattern", "*-*-"),
+     ("--num-layers", "--experimental-attention-variant"),
      "--hybrid-layer-pattern '*-*-' has no GDN layer ('G')"),
-    ((STOCK,), (), "--megatron-transformer-config: megatron's TransformerConfig has no fusion "
-                   "field, so the spec switches the fusion: pass --spec"),
-    ((STOCK, "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs", "gpt_block_spec"), (),
+    ("megatron_config_without_spec", (STOCK,), (),
+     "--megatron-transformer-config: megatron's TransformerConfig has no fusion field, so the "
+     "spec switches the fusion: pass --spec"),
+    ("megatron_config_with_the_flag",
+     (STOCK, "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs", "gpt_block_spec"), (),
      "--megatron-transformer-config: megatron's TransformerConfig has no field for "
      "--fused-gated-norm"),
-], ids=["transformer_engine_without_te", "spec_that_does_not_import", "mtp", "cpu_flags",
-        "hybrid_and_gpt_variant", "hybrid_without_gdn", "megatron_config_without_spec",
-        "megatron_config_with_the_flag"])
-def test_launcher_refuses_before_training(tmp_path, extra, drop, message):
+]
+# Started as a user starts the launcher: one refusal of its scope rules and the one that comes
+# from building the model. The others run through the same parser and rules in one process.
+LAUNCHED_REFUSALS = ("transformer_engine_without_te", "spec_that_does_not_import")
+
+
+def _te_default_runs(drop) -> bool:
     from core.models.gdn_specs import HAVE_TE
 
-    if HAVE_TE and "--transformer-impl" in drop:
+    return HAVE_TE and "--transformer-impl" in drop
+
+
+@pytest.mark.parametrize("name, extra, drop, message",
+                         [r for r in REFUSALS if r[0] in LAUNCHED_REFUSALS],
+                         ids=list(LAUNCHED_REFUSALS))
+def test_launcher_refuses_before_training(tmp_path, name, extra, drop, message):
+    if _te_default_runs(drop):
         pytest.skip("Transformer Engine is installed: megatron's default implementation runs")
     proc, metrics = _launch(tmp_path, *extra, drop=drop)
     assert proc.returncode != 0 and not metrics.exists()
     assert message in proc.stdout + proc.stderr
 
 
-def test_launcher_refuses_the_hybrid_model_on_a_gpu_without_te():
+# In a launcher process (the launcher module imported, its CPU shims installed): each command
+# line through megatron's parse_args and validate_args, as parse_and_validate_args runs them
+# (less its global state, set once per process), then the launcher's scope rules.
+CHECK_SCOPE = r"""
+import importlib.util, json, sys
+launcher_path, cases = sys.argv[1], json.loads(sys.argv[2])
+spec = importlib.util.spec_from_file_location("launcher", launcher_path)
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+from megatron.training.arguments import parse_args, validate_args
+for name, argv, told in cases:
+    sys.argv = [launcher_path, *argv]
+    args = parse_args(extra_args_provider=launcher.add_launcher_args)
+    validate_args(args, {"tokenizer_type": "NullTokenizer"})
+    kept = {key: getattr(launcher, key) for key in told}
+    vars(launcher).update(told)  # what the launcher is told about the machine (HAS_CUDA, HAVE_TE)
+    try:
+        launcher.check_launcher_scope(args)
+    except ValueError as error:
+        print("RESULT", json.dumps([name, str(error)]))
+    else:
+        print("RESULT", json.dumps([name, None]))
+    finally:
+        vars(launcher).update(kept)
+"""
+
+
+@pytest.fixture(scope="module")
+def scope_refusals(tmp_path_factory) -> dict:
+    """Case id -> the launcher's message (None: accepted), from one launcher process: every
+    refusal of the scope rules, the plain command line ("accepted"), and a hybrid model on a
+    machine the launcher is told has a GPU, without and with Transformer Engine."""
+    metrics = tmp_path_factory.mktemp("scope") / "metrics.json"
+    cases = [["accepted", _launcher_args(metrics), {}]]
+    cases += [[name, _launcher_args(metrics, *extra, drop=drop), {}]
+              for name, extra, drop, _ in REFUSALS if name != "spec_that_does_not_import"]
+    hybrid = _launcher_args(metrics, "--fused-gated-norm", "--hybrid-layer-pattern", "G*G-",
+                            drop=HYBRID_DROP)
+    cases += [["hybrid_on_a_gpu_without_te", hybrid, {"HAS_CUDA": True, "HAVE_TE": False}],
+              ["hybrid_on_a_gpu_with_te", hybrid, {"HAS_CUDA": True, "HAVE_TE": True}],
+              ["hybrid_on_the_cpu", hybrid, {}]]
+    proc = subprocess.run([sys.executable, "-c", CHECK_SCOPE, LAUNCHER, json.dumps(cases)],
+                          cwd=ROOT, env=_cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not metrics.exists()
+    return dict(json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+                if line.startswith("RESULT "))
+
+
+@pytest.mark.parametrize("name, extra, drop, message",
+                         [r for r in REFUSALS if r[0] != "spec_that_does_not_import"],
+                         ids=[r[0] for r in REFUSALS if r[0] != "spec_that_does_not_import"])
+def test_launcher_scope_refuses_on_megatrons_parsed_arguments(scope_refusals, name, extra, drop,
+                                                             message):
+    assert scope_refusals["accepted"] is None  # the same command line without the change passes
+    if _te_default_runs(drop):
+        assert scope_refusals[name] is None
+    else:
+        assert message in scope_refusals[name]
+
+
+def test_launcher_refuses_the_hybrid_model_on_a_gpu_without_te(scope_refusals):
     """megatron's hybrid stack is made of Transformer Engine modules: on a GPU without TE the
     launcher refuses the pattern before building (its CPU run swaps in megatron-core's modules
-    instead). The launcher's checks run in a CPU process told that it has a GPU and no TE."""
-    script = (
-        "import argparse, importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('launcher', {LAUNCHER!r})\n"
-        "launcher = importlib.util.module_from_spec(spec); spec.loader.exec_module(launcher)\n"
-        "launcher.HAS_CUDA, launcher.HAVE_TE = True, False\n"
-        "args = argparse.Namespace(megatron_transformer_config=False, spec=None,\n"
-        "    fused_gated_norm=True, gdn_out_norm_zero_centered_gamma=None,\n"
-        "    hybrid_layer_pattern='G*G-', experimental_attention_variant=None,\n"
-        "    mtp_num_layers=None, transformer_impl='local')\n"
-        "try:\n"
-        "    launcher.check_launcher_scope(args)\n"
-        "except ValueError as e:\n"
-        "    print('REFUSED:', e)\n"
-        "launcher.HAVE_TE = True\n"
-        "launcher.check_launcher_scope(args)\n"
-        "print('ACCEPTED with TE')\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          env=_cpu_env(), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert ("REFUSED: --hybrid-layer-pattern: megatron's HybridModel needs Transformer Engine "
-            "(its hybrid stack spec and its final norm are TE modules), which is not installed"
-            in proc.stdout), proc.stdout[-3000:]
-    assert "ACCEPTED with TE" in proc.stdout
+    instead). The launcher's checks run in a CPU process told that it has a GPU, then TE."""
+    assert scope_refusals["hybrid_on_a_gpu_without_te"].startswith(
+        "--hybrid-layer-pattern: megatron's HybridModel needs Transformer Engine (its hybrid "
+        "stack spec and its final norm are TE modules), which is not installed")
+    assert scope_refusals["hybrid_on_a_gpu_with_te"] is None
+    assert scope_refusals["hybrid_on_the_cpu"] is None
 
 
 # megatron's HybridModel: the layers come from the pattern, the GDN ones are its 'G' layers

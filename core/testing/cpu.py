@@ -118,6 +118,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import importlib
 import logging
 import os
@@ -529,20 +530,41 @@ def init_model_parallel_sizes(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                               seed: int = 1234) -> None:
     """megatron's parallel_state with these sizes in the current world (``etp`` None: megatron's
     default, the TP size; ``vp`` None: no virtual stages), then megatron's RNG tracker reseeded.
-    A parallel_state that already has them is kept: megatron's ``destroy_model_parallel`` drops
-    its process groups without destroying them, so every re-initialisation leaves a set of live
-    gloo groups (and their threads) behind."""
+    A parallel_state that already has them is kept. Otherwise the groups the previous
+    initialisation created are destroyed with it: megatron's ``destroy_model_parallel`` only
+    drops its references, and each gloo group left alive keeps three threads that wake up
+    (a world of 4 ranks that went through its layouts held ~240 groups per rank, and its
+    context switches took most of two cores)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if parallel_sizes() != (tp, pp, cp, ep, tp if etp is None else etp, vp):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        _destroy_groups(_megatron_groups)
+        before = set(torch.distributed.distributed_c10d._world.pg_map)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             context_parallel_size=cp, expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=vp)
+        _megatron_groups[:] = [group for group in torch.distributed.distributed_c10d._world.pg_map
+                               if group not in before]
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+# The process groups that init_model_parallel_sizes' last megatron initialisation created.
+_megatron_groups: list = []
+
+
+def _destroy_groups(groups: list) -> None:
+    """Destroy ``groups`` (process groups that megatron no longer holds) where they still exist:
+    not the default group, nor any group after the default one was destroyed."""
+    world = torch.distributed.distributed_c10d._world
+    for group in groups:
+        if group in world.pg_map and group is not torch.distributed.GroupMember.WORLD:
+            torch.distributed.destroy_process_group(group)
+    groups.clear()
+    gc.collect()  # a group's threads end when the last reference to it goes (module cycles too)
 
 
 def init_cpu_model_parallel(

@@ -122,3 +122,20 @@ def test_parallel_state_with_the_sizes_asked_for_is_kept_and_reseeded():
     init_model_parallel_sizes(tp=1)
     assert parallel_sizes() == (1, 1, 1, 1, 1, None)
     assert ps.get_tensor_model_parallel_group() is not group
+
+
+@pytest.mark.usefixtures("model_parallel_tp1")
+def test_a_new_initialisation_destroys_the_groups_of_the_one_before():
+    from megatron.core import parallel_state as ps
+
+    from core.testing.cpu import init_model_parallel_sizes
+
+    ps.destroy_model_parallel()
+    init_model_parallel_sizes(tp=1)  # groups made here, whatever initialised megatron before
+    group = ps.get_tensor_model_parallel_group()
+    groups = torch.distributed.distributed_c10d._world.pg_map
+    count = len(groups)
+    ps.destroy_model_parallel()
+    init_model_parallel_sizes(tp=1)
+    assert ps.get_tensor_model_parallel_group() is not group
+    assert group not in groups and len(groups) == count  # destroyed, not kept beside the new ones

@@ -35,9 +35,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     "$python" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
-# --no-compile: Python compiles the modules that are imported, on first import, instead of
-# every file of torch at install time.
-"$venv/bin/python" -m pip install -q --no-compile -c "$root/tools/constraints.txt" -e "$root[test,examples]" >&2
+"$venv/bin/python" -m pip install -q -c "$root/tools/constraints.txt" -e "$root[test,examples]" >&2
 rm -f "$venv"/.installed-*
 touch "$stamp"
 echo "setup_venv: $venv ready" >&2

@@ -58,4 +58,3 @@ def test_library_imports_without_fla():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "imported" in result.stdout
-

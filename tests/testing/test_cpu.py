@@ -139,3 +139,55 @@ def test_a_new_initialisation_destroys_the_groups_of_the_one_before():
     init_model_parallel_sizes(tp=1)
     assert ps.get_tensor_model_parallel_group() is not group
     assert group not in groups and len(groups) == count  # destroyed, not kept beside the new ones
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_installing_the_shims_freezes_what_is_alive_and_a_repeat_call_freezes_nothing():
+    """The shims are installed with the cyclic collector paused, then what is alive is frozen
+    (never walked again); a call that installs nothing freezes nothing, so garbage made since
+    is still collected."""
+    import gc
+    import weakref
+
+    from core.testing.cpu import _collector_paused_then_frozen, install_cpu_shims
+
+    with _collector_paused_then_frozen():
+        assert not gc.isenabled()
+        kept = _Cycle()
+    assert gc.isenabled()
+    assert not any(obj is kept for obj in gc.get_objects())  # in the permanent generation
+
+    garbage = _Cycle()
+    alive = weakref.ref(garbage)
+    del garbage
+    install_cpu_shims(training=True)  # installed by conftest already
+    gc.collect()
+    assert alive() is None
+
+
+FREEZE_AT_EXIT = r"""
+import atexit, gc
+made = []
+# registered before the shims' handler, so it runs after it (atexit runs handlers last-first)
+atexit.register(lambda: print("FROZEN", not any(obj is made[0] for obj in gc.get_objects())))
+from core.testing.cpu import _collector_paused_then_frozen
+with _collector_paused_then_frozen():
+    pass
+made.append([[]])  # made after the freeze: walked by the collector until exit
+print("TRACKED", any(obj is made[0] for obj in gc.get_objects()))
+"""
+
+
+def test_what_is_alive_at_exit_is_frozen_before_the_interpreters_collections():
+    import subprocess
+    import sys
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", FREEZE_AT_EXIT], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["TRACKED", "True", "FROZEN", "True"]

@@ -28,6 +28,7 @@ megatron's per-rank ``torch`` format; the choice is printed and recorded.
 """
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import math
@@ -98,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-format", choices=["auto", "torch_dist", "torch"], default="auto")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=int, default=420, help="seconds per launch")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="launches run at once: the pairs, then the resumes (more than 1 shares "
+                        "the machine between launches: leave 1 where tokens/s matters)")
     p.add_argument("--gdn-kernels", choices=["auto", "fla", "torch"], default="auto",
                    help="the GDN core: FLA's Triton kernels (the speed a user gets), or megatron's "
                         "torch chunk rule under --deterministic-mode (host-bound: tokens/s then "
@@ -110,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.timeout < 1:
         p.error(f"--timeout must be >= 1 (seconds per launch), got {args.timeout}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.no_resume:
         args.save_at = None  # nothing to resume: no checkpoints
     else:
@@ -189,6 +195,15 @@ def launch(args, name: str, tp: int, fused: bool, extra: list[str]) -> dict:
     result.update(name=name, wall_seconds=seconds, log=log)
     print(f"    {seconds:.0f} s, {len(result['iterations'])} iterations", flush=True)
     return result
+
+
+def launch_all(args, launches: dict) -> dict:
+    """name -> (tp, fused, extra flags): :func:`launch` each, ``--jobs`` at a time; name ->
+    its summary, in the order given."""
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {name: pool.submit(launch, args, name, *launch_args)
+                   for name, launch_args in launches.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def run_or_stop(cmd: list, env: dict, log, timeout: float):
@@ -333,20 +348,23 @@ def main(argv=None) -> dict:
 
     train = ["--train-iters", str(args.steps), "--lr-warmup-iters",
              str(default_warmup_steps(args.steps))]
-    runs = {}
+    pairs = {}
     for tp in args.tp_sizes:
         for fused in (False, True):
             name = f"tp{tp}_{'on' if fused else 'off'}"
             save = [] if args.no_resume else ["--save-interval", str(args.save_at),
                                               "--save", os.path.join(ckpt, name)]
-            runs[name] = launch(args, name, tp, fused, train + save)
+            pairs[name] = (tp, fused, train + save)
+    runs = launch_all(args, pairs)
     resumes = {}
     if not args.no_resume:
         tp = args.tp_sizes[0]
-        for saver, fused in ((f"tp{tp}_off", True), (f"tp{tp}_on", False)):
-            name = f"{saver}_resumed_{'on' if fused else 'off'}"
-            runs[name] = launch(args, name, tp, fused, train + [
-                "--load", os.path.join(ckpt, saver), "--ckpt-step", str(args.save_at)])
+        savers = {f"tp{tp}_off_resumed_on": (f"tp{tp}_off", True),
+                  f"tp{tp}_on_resumed_off": (f"tp{tp}_on", False)}
+        runs.update(launch_all(args, {name: (tp, fused, train + [
+            "--load", os.path.join(ckpt, saver), "--ckpt-step", str(args.save_at)])
+            for name, (saver, fused) in savers.items()}))
+        for name, (saver, fused) in savers.items():
             same_flag = runs[f"tp{tp}_{'on' if fused else 'off'}"]
             resumes[name] = resume_summary(runs[saver], runs[name], same_flag, args.save_at)
     summary = {

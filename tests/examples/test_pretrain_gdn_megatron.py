@@ -1,7 +1,7 @@
 """examples/pretrain_gdn_megatron.py (megatron.training.pretrain of a GDN hybrid) through its
 driver examples/run_megatron_pairs.py, on the CPU (gloo, core.testing.cpu's training-loop
 shims): flag off and on at TP 1, megatron's checkpoints saved with the flag off and resumed with
-it on and the reverse (four launches; the driver's TP 2 pair, sequence parallel with
+it on and the reverse (four launches, two at a time; the driver's TP 2 pair, sequence parallel with
 gdn_norm_out recompute, runs the same way with ``--tp-sizes 1 2`` and is left to the GPU run
 to keep CI short); the indexed dataset of examples/data; the driver's comparisons."""
 
@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -112,7 +113,8 @@ def test_driver_arguments(monkeypatch, capsys):
     for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"),
                           (["--steps", "1"], "--save-at 1 must be in [1, --steps 1) (or pass --no-resume)"),
                           (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0"),
-                          (["--timeout", "-1"], "--timeout must be >= 1 (seconds per launch), got -1")):
+                          (["--timeout", "-1"], "--timeout must be >= 1 (seconds per launch), got -1"),
+                          (["--jobs", "0"], "--jobs must be >= 1, got 0")):
         with pytest.raises(SystemExit):
             driver.parse_args(argv)
         assert message in capsys.readouterr().err, argv
@@ -150,7 +152,7 @@ def test_a_launch_past_its_timeout_is_stopped_with_everything_it_started(tmp_pat
 @pytest.mark.interpreter_backward
 def test_pairs_through_megatrons_training_loop(tmp_path):
     out = tmp_path / "pairs"
-    cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1",
+    cmd = [sys.executable, DRIVER, "--out", str(out), "--tp-sizes", "1", "--jobs", "2",
            "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--ckpt-format", "torch_dist"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=600)  # the CPU runs, anywhere
@@ -221,17 +223,45 @@ def _launcher_args(metrics_path, *extra, drop=(), iterations=1, warmup=0, model=
     return args
 
 
-def _launch(out_dir, *extra, drop=(), iterations=1, warmup=0, nproc=1, model=None,
-            metrics="metrics.json"):
-    """The launcher on the CPU through torchrun (``nproc`` processes) with _launcher_args;
-    returns the process and the path of its --gdn-metrics-out file."""
-    metrics_path = out_dir / metrics
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), LAUNCHER, *_launcher_args(metrics_path, *extra, drop=drop,
-                                                 iterations=iterations, warmup=warmup, model=model)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_cpu_env(), capture_output=True, text=True,
-                          timeout=600)
-    return proc, metrics_path
+def _launch(out_dir, *extra, **options):
+    """The launcher on the CPU through torchrun with _launcher_args (``options``: those of
+    :func:`_launch_together`); returns the process and the path of its --gdn-metrics-out
+    file."""
+    return _launch_together(out_dir, [(extra, options)])[0]
+
+
+def _launch_together(out_dir, runs) -> list:
+    """Start every run of ``runs`` ((extra flags, options) pairs; options: ``drop``,
+    ``iterations``, ``warmup``, ``nproc`` (torchrun's processes), ``model``, ``metrics`` (the
+    file's name)) at once, then wait for all: a launch spends most of its time importing, in
+    one process per rank, so two of them share the CPU's cores. Returns, in order, each run's
+    completed process (output from its log files) and the path of its --gdn-metrics-out
+    file."""
+    started = []
+    for i, (extra, options) in enumerate(runs):
+        options = {"metrics": "metrics.json", "nproc": 1, **options}
+        metrics_path = out_dir / options.pop("metrics")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(options.pop("nproc")), LAUNCHER, *_launcher_args(metrics_path, *extra,
+                                                                    **options)]
+        logs = (open(out_dir / f"launch{i}.out", "w+"), open(out_dir / f"launch{i}.err", "w+"))
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_cpu_env(), stdout=logs[0], stderr=logs[1],
+                                text=True, start_new_session=True)
+        started.append((cmd, proc, logs, metrics_path))
+    done, deadline = [], time.monotonic() + 600
+    for cmd, proc, logs, metrics_path in started:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+            proc.wait()
+        output = []
+        for log in logs:
+            log.seek(0)
+            output.append(log.read())
+            log.close()
+        done.append((subprocess.CompletedProcess(cmd, proc.returncode, *output), metrics_path))
+    return done
 
 
 def _cpu_env() -> dict:
@@ -250,9 +280,10 @@ def test_metrics_hold_the_whole_batch_at_data_parallel_2(tmp_path):
     args[args.index("--global-batch-size") + 1] = "4"  # micro-batch 2 x 2 micro-batches or ranks
     seq = int(args[args.index("--seq-length") + 1])
     runs = {}
-    for dp in (1, 2):
-        proc, metrics = _launch(tmp_path, "--fused-gated-norm", iterations=2, warmup=1, nproc=dp,
-                                model=args, metrics=f"dp{dp}.json")
+    launches = _launch_together(tmp_path, [
+        (("--fused-gated-norm",), dict(iterations=2, warmup=1, nproc=dp, model=args,
+                                       metrics=f"dp{dp}.json")) for dp in (1, 2)])
+    for dp, (proc, metrics) in zip((1, 2), launches):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[dp] = json.loads(metrics.read_text())["iterations"]
     assert len(runs[1]) == len(runs[2]) == 2
@@ -405,11 +436,11 @@ def test_launcher_trains_a_hybrid_model_with_gdn_in_its_mtp_depth(tmp_path, patt
     included) is fused, and the first iteration's main and MTP losses equal the flag-off run's
     within fp32 rounding (and megatron's 7-digit log of the MTP loss)."""
     runs = {}
-    for fused in (True, False):
-        flag = ("--fused-gated-norm",) if fused else ()
-        proc, metrics = _launch(tmp_path, *flag, "--hybrid-layer-pattern", pattern, *layout,
-                                drop=HYBRID_DROP, iterations=2, warmup=1, nproc=2,
-                                metrics=f"fused{fused}.json")
+    launches = _launch_together(tmp_path, [
+        ((*(("--fused-gated-norm",) if fused else ()), "--hybrid-layer-pattern", pattern,
+          *layout), dict(drop=HYBRID_DROP, iterations=2, warmup=1, nproc=2,
+                         metrics=f"fused{fused}.json")) for fused in (True, False)])
+    for fused, (proc, metrics) in zip((True, False), launches):
         runs[fused] = _losses(proc, metrics), _logged_mtp_losses(proc.stdout)
         summary = json.loads(metrics.read_text())
         assert (summary["hybrid_layer_pattern"], summary["mtp_num_layers"]) == (pattern, 1)
@@ -466,10 +497,11 @@ def test_launcher_trains_across_virtual_pipeline_stages(tmp_path):
     pipeline = ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                 "1")
     runs = {}
-    for fused in (True, False):
-        flag = ("--fused-gated-norm",) if fused else ()
-        proc, metrics = _launch(tmp_path, *flag, *pipeline, iterations=2, warmup=1, nproc=2,
-                                model=model, metrics=f"fused{fused}.json")
+    launches = _launch_together(tmp_path, [
+        ((*(("--fused-gated-norm",) if fused else ()), *pipeline),
+         dict(iterations=2, warmup=1, nproc=2, model=model, metrics=f"fused{fused}.json"))
+        for fused in (True, False)])
+    for fused, (proc, metrics) in zip((True, False), launches):
         runs[fused] = _losses(proc, metrics)
         summary = json.loads(metrics.read_text())
         assert (summary["gdn_layers"], summary["gdn_layers_fused"]) == (2, 2 if fused else 0)
@@ -484,11 +516,11 @@ def test_launcher_splits_sequences_over_context_parallel_ranks(tmp_path):
     positions are learned."""
     model = _model_args(**{"--linear-attention-freq": 3})  # 2 layers: no attention layer
     runs = {}
-    for cp in (1, 2):
-        proc, metrics = _launch(tmp_path, "--fused-gated-norm", "--context-parallel-size",
-                                str(cp), "--position-embedding-type", "learned_absolute",
-                                iterations=2, warmup=1, nproc=cp, model=model,
-                                metrics=f"cp{cp}.json")
+    launches = _launch_together(tmp_path, [
+        (("--fused-gated-norm", "--context-parallel-size", str(cp), "--position-embedding-type",
+          "learned_absolute"), dict(iterations=2, warmup=1, nproc=cp, model=model,
+                                    metrics=f"cp{cp}.json")) for cp in (1, 2)])
+    for cp, (proc, metrics) in zip((1, 2), launches):
         runs[cp] = _losses(proc, metrics)
         assert json.loads(metrics.read_text())["gdn_layers_fused"] == 2
     for one, two in zip(runs[1], runs[2]):
@@ -508,10 +540,12 @@ def test_megatrons_own_config_with_a_fused_spec_trains_as_the_flag(tmp_path, spe
     and trains the same iterations, bit for bit, as this package's config with
     --fused-gated-norm."""
     runs = {}
-    for name, extra in (("spec", (STOCK, "--spec", "core.models.fused_gdn_specs", spec_name)),
-                        ("flag", ("--fused-gated-norm",))):
-        proc, metrics = _launch(tmp_path, *extra, *model, drop=drop, iterations=2, warmup=1,
-                                metrics=f"{name}.json")
+    flags = {"spec": (STOCK, "--spec", "core.models.fused_gdn_specs", spec_name),
+             "flag": ("--fused-gated-norm",)}
+    launches = _launch_together(tmp_path, [
+        ((*extra, *model), dict(drop=drop, iterations=2, warmup=1, metrics=f"{name}.json"))
+        for name, extra in flags.items()])
+    for name, (proc, metrics) in zip(flags, launches):
         runs[name] = _losses(proc, metrics)
         summary = json.loads(metrics.read_text())
         assert summary["megatron_transformer_config"] is (name == "spec")

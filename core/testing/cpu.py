@@ -39,9 +39,9 @@ Layer level (``install_cpu_shims()``), all idempotent:
     install picks) enters it on a host without CUDA, and torch has no such function (fla-core
     0.6 uses a null context there itself).
 
-Installing shims (any level, the first time) runs with Python's cyclic collector paused and
-then freezes what is alive, and again at exit (``gc.freeze``): the collector then no longer
-walks torch's and megatron's millions of import-time objects, about 4 s per CPU process.
+A process's first ``install_cpu_shims`` call runs with Python's cyclic collector paused, then
+freezes what is alive, and again at exit (``gc.freeze``): the collector then no longer walks
+torch's and megatron's millions of import-time objects, about 4 s per CPU process.
 
 (``gdn_norm_out`` selective recompute without Transformer Engine needs no shim: the library's
 ``core.ssm.GatedDeltaNet`` turns its checkpoint's fp8 handling off itself.)
@@ -137,7 +137,7 @@ import torch
 _INSTALLED = False
 _TRAINING_INSTALLED = False
 _TRAINING_LOOP_INSTALLED = False
-_FREEZE_AT_EXIT = False
+_COLLECTOR_FROZEN = False
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -204,10 +204,8 @@ def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
     storage copy (default; avoids a ~20 s compile).
     training: also :func:`install_cpu_training_shims` (DDP, optimizer, grad clipping, local
     attention, and the torch l2norm speed stand-in)."""
-    installs = (not _INSTALLED or (training or training_loop) and not _TRAINING_INSTALLED
-                or training_loop and not _TRAINING_LOOP_INSTALLED)
-    with _collector_paused_then_frozen() if installs else contextlib.nullcontext():
-        _install_layer_shims(share_storage_copy)  # they import most of megatron
+    with _collector_paused_then_frozen():  # the first install imports most of megatron
+        _install_layer_shims(share_storage_copy)
         if training or training_loop:
             install_cpu_training_shims()
         if training_loop:
@@ -216,16 +214,20 @@ def install_cpu_shims(share_storage_copy: bool = True, training: bool = False,
 
 @contextlib.contextmanager
 def _collector_paused_then_frozen():
-    """Run the block with Python's cyclic collector paused, then move every object alive into
-    the collector's permanent generation (``gc.freeze``); freeze again at interpreter exit.
+    """The first time in a process: run the block with Python's cyclic collector paused, then
+    move every object alive into the collector's permanent generation (``gc.freeze``), and
+    freeze again at interpreter exit. Later: just the block.
 
     A process that imports torch and megatron holds millions of long-lived objects, and each
     full collection walks all of them: during the imports, and several times while the
     interpreter shuts down, about 2 s each on a 2-core CPU, in every process that a test or a
-    CPU run starts. Frozen objects are not walked, nor collected: freezing happens where a
-    process installs the shims (right after its imports, when there is little garbage to
+    CPU run starts. Frozen objects are not walked, nor collected: freezing happens once, where a
+    process first installs the shims (right after its imports, when there is little garbage to
     keep), and at exit, where the process frees everything anyway."""
-    global _FREEZE_AT_EXIT
+    global _COLLECTOR_FROZEN
+    if _COLLECTOR_FROZEN:
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -234,9 +236,8 @@ def _collector_paused_then_frozen():
         gc.freeze()
         if enabled:
             gc.enable()
-    if not _FREEZE_AT_EXIT:
-        atexit.register(gc.freeze)  # atexit handlers run before the interpreter's collections
-        _FREEZE_AT_EXIT = True
+    _COLLECTOR_FROZEN = True
+    atexit.register(gc.freeze)  # atexit handlers run before the interpreter's collections
 
 
 def _install_layer_shims(share_storage_copy: bool) -> None:

@@ -146,48 +146,61 @@ class _Cycle:
         self.me = self
 
 
-def test_installing_the_shims_freezes_what_is_alive_and_a_repeat_call_freezes_nothing():
-    """The shims are installed with the cyclic collector paused, then what is alive is frozen
-    (never walked again); a call that installs nothing freezes nothing, so garbage made since
-    is still collected."""
+def test_a_repeat_install_freezes_nothing():
+    """conftest installed the shims: installing them again leaves the collector as it is, so
+    cyclic garbage made since is still collected."""
     import gc
     import weakref
 
-    from core.testing.cpu import _collector_paused_then_frozen, install_cpu_shims
-
-    with _collector_paused_then_frozen():
-        assert not gc.isenabled()
-        kept = _Cycle()
-    assert gc.isenabled()
-    assert not any(obj is kept for obj in gc.get_objects())  # in the permanent generation
+    from core.testing.cpu import install_cpu_shims
 
     garbage = _Cycle()
     alive = weakref.ref(garbage)
     del garbage
-    install_cpu_shims(training=True)  # installed by conftest already
+    install_cpu_shims(training=True)
     gc.collect()
     assert alive() is None
 
 
-FREEZE_AT_EXIT = r"""
-import atexit, gc
+# A fresh process: the first block runs with the collector paused and what is alive after it is
+# frozen; a second block changes nothing; what is alive at exit is frozen before the
+# interpreter's collections.
+FREEZES = r"""
+import atexit, gc, weakref
 made = []
 # registered before the shims' handler, so it runs after it (atexit runs handlers last-first)
-atexit.register(lambda: print("FROZEN", not any(obj is made[0] for obj in gc.get_objects())))
+atexit.register(lambda: print("FROZEN_AT_EXIT", not any(obj is made[0] for obj in gc.get_objects())))
 from core.testing.cpu import _collector_paused_then_frozen
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
 with _collector_paused_then_frozen():
-    pass
+    paused = not gc.isenabled()
+    kept = Cycle()
+print("PAUSED", paused, "ENABLED_AFTER", gc.isenabled())
+print("FROZEN", not any(obj is kept for obj in gc.get_objects()))
+garbage = Cycle()
+alive = weakref.ref(garbage)
+del garbage
+with _collector_paused_then_frozen():
+    paused_again = not gc.isenabled()
+gc.collect()
+print("PAUSED_AGAIN", paused_again, "COLLECTED", alive() is None)
 made.append([[]])  # made after the freeze: walked by the collector until exit
 print("TRACKED", any(obj is made[0] for obj in gc.get_objects()))
 """
 
 
-def test_what_is_alive_at_exit_is_frozen_before_the_interpreters_collections():
+def test_the_first_install_freezes_what_is_alive_and_exit_freezes_the_rest():
     import subprocess
     import sys
 
     root = __file__.rsplit("/tests/", 1)[0]
-    proc = subprocess.run([sys.executable, "-c", FREEZE_AT_EXIT], cwd=root, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", FREEZES], cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["TRACKED", "True", "FROZEN", "True"]
+    assert proc.stdout.split() == ["PAUSED", "True", "ENABLED_AFTER", "True", "FROZEN", "True",
+                                   "PAUSED_AGAIN", "False", "COLLECTED", "True", "TRACKED", "True",
+                                   "FROZEN_AT_EXIT", "True"]

@@ -5,6 +5,7 @@ it on and the reverse (four launches, two at a time; the driver's TP 2 pair, seq
 gdn_norm_out recompute, runs the same way with ``--tp-sizes 1 2`` and is left to the GPU run
 to keep CI short); the indexed dataset of examples/data; the driver's comparisons."""
 
+import concurrent.futures
 import importlib.util
 import json
 import math
@@ -233,35 +234,30 @@ def _launch(out_dir, *extra, **options):
 def _launch_together(out_dir, runs) -> list:
     """Start every run of ``runs`` ((extra flags, options) pairs; options: ``drop``,
     ``iterations``, ``warmup``, ``nproc`` (torchrun's processes), ``model``, ``metrics`` (the
-    file's name)) at once, then wait for all: a launch spends most of its time importing, in
-    one process per rank, so two of them share the CPU's cores. Returns, in order, each run's
-    completed process (output from its log files) and the path of its --gdn-metrics-out
-    file."""
-    started = []
+    file's name)) at once, each through the driver's run_or_stop (a new process group, stopped
+    whole past 600 s), then wait for all: a launch spends most of its time importing, in one
+    process per rank, so two of them share the CPU's cores. Returns, in order, each run's
+    completed process (stdout: its log, stderr included; returncode -SIGKILL when stopped) and
+    the path of its --gdn-metrics-out file."""
+    driver = _module(DRIVER, "run_megatron_pairs")
+    commands = []
     for i, (extra, options) in enumerate(runs):
         options = {"metrics": "metrics.json", "nproc": 1, **options}
         metrics_path = out_dir / options.pop("metrics")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(options.pop("nproc")), LAUNCHER, *_launcher_args(metrics_path, *extra,
                                                                     **options)]
-        logs = (open(out_dir / f"launch{i}.out", "w+"), open(out_dir / f"launch{i}.err", "w+"))
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_cpu_env(), stdout=logs[0], stderr=logs[1],
-                                text=True, start_new_session=True)
-        started.append((cmd, proc, logs, metrics_path))
-    done, deadline = [], time.monotonic() + 600
-    for cmd, proc, logs, metrics_path in started:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-            proc.wait()
-        output = []
-        for log in logs:
-            log.seek(0)
-            output.append(log.read())
-            log.close()
-        done.append((subprocess.CompletedProcess(cmd, proc.returncode, *output), metrics_path))
-    return done
+        commands.append((cmd, out_dir / f"launch{i}.log", metrics_path))
+
+    def run(command):
+        cmd, log_path, metrics_path = command
+        with open(log_path, "w") as log:
+            code = driver.run_or_stop(cmd, _cpu_env(), log, 600)
+        return (subprocess.CompletedProcess(cmd, -signal.SIGKILL if code is None else code,
+                                            log_path.read_text(), ""), metrics_path)
+
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(run, commands))
 
 
 def _cpu_env() -> dict:

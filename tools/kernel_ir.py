@@ -44,6 +44,7 @@ import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
+H200_DRAM_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6144 / 8 / H200_SMS  # bytes/s: 4.9 TB/s over 132 SMs
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -72,11 +73,14 @@ def recording(launcher):
 @contextlib.contextmanager
 def h200_launch_rules():
     """While open, forward_impl / backward_impl take the launch parameters an H200 gets (132
-    SMs, sm_90: pipelining and programmatic dependent launch) for tensors on any device."""
+    SMs, its DRAM bandwidth, sm_90: pipelining and programmatic dependent launch) for tensors on
+    any device."""
     gpu = torch.device("cuda", 0)
     saved = (fgn.forward_launch, fgn.backward_launch, dict(fgn._launch_plans),
-             launch_rules.sm_count, launch_rules.programmatic_dependent_launch)
+             launch_rules.sm_count, launch_rules.dram_bandwidth_per_sm,
+             launch_rules.programmatic_dependent_launch)
     launch_rules.sm_count = lambda device: H200_SMS
+    launch_rules.dram_bandwidth_per_sm = lambda device: H200_DRAM_BANDWIDTH_PER_SM
     launch_rules.programmatic_dependent_launch = lambda device: True
     fgn.forward_launch = lambda dim, device: launch_rules.forward_launch.__wrapped__(dim, gpu)
     fgn.backward_launch = lambda dim, device: launch_rules.backward_launch.__wrapped__(dim, gpu)
@@ -84,8 +88,8 @@ def h200_launch_rules():
     try:
         yield
     finally:
-        (fgn.forward_launch, fgn.backward_launch, plans,
-         launch_rules.sm_count, launch_rules.programmatic_dependent_launch) = saved
+        (fgn.forward_launch, fgn.backward_launch, plans, launch_rules.sm_count,
+         launch_rules.dram_bandwidth_per_sm, launch_rules.programmatic_dependent_launch) = saved
         fgn._launch_plans.clear()
         fgn._launch_plans.update(plans)
 

@@ -32,6 +32,7 @@ from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # 
                                 same_bytes_tensors, shape_label, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+from core.fusions.gated_norm_launch import backward_programs, cdiv  # noqa: E402
 
 DEFAULT_SHAPES = "1x4096x4x128,1x4096x8x128,1x4096x16x128,1x4096x32x128,1x4096x8x256"
 WARPS = (1, 2, 4, 8)
@@ -77,7 +78,8 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
           warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
     # The shipped backward with its dW sum launched early and as usual: a difference of a few
     # tenths of a us, so the two are timed in turn, ALTERNATIONS times each (median).
-    shipped_bwd = dict(bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=bwd_cfg.max_programs // sms,
+    shipped_programs = backward_programs(bwd_cfg, cdiv(x.shape[:3].numel(), bwd_cfg.bt))
+    shipped_bwd = dict(bt=bwd_cfg.bt, warps=bwd_cfg.warps, per_sm=shipped_programs / sms,
                        stages=bwd_cfg.stages)
     pairs = times_in_turn({flag: lambda flag=flag: fgn.backward_impl(x, g, w, rstd, dy,
                                                                      dw_sum_pdl=flag)
@@ -96,7 +98,7 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
                       bt=bt, warps=warps, per_sm=per_sm, stages=stages,
                       dw_sum_pdl=bwd_cfg.dw_sum_pdl)
     results.append({"kernel": "forward_parts", "shape": shape, **forward_parts(x, g, w)})
-    results.append({"kernel": "backward_parts", "shape": shape, "programs": bwd_cfg.max_programs,
+    results.append({"kernel": "backward_parts", "shape": shape, "programs": shipped_programs,
                     **backward_parts(x, g, w, rstd, dy)})
     return results
 
@@ -172,7 +174,7 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
 
 
 def describe(r: dict) -> str:
-    extra = (f" {r['per_sm']}/SM" if "per_sm" in r else "") + \
+    extra = (f" {r['per_sm']:g}/SM" if "per_sm" in r else "") + \
         (f" {r['stages']} stages" if "stages" in r else "") + (" pdl" if r.get("pdl") else "") + \
         (" dw-sum-pdl" if r.get("dw_sum_pdl") else "")
     return f"bt{r['bt']} w{r['warps']}{extra} {r['us']:.1f} us {r['pct']:.0f} %"

@@ -25,8 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from core.fusions.direct_launch import DirectLauncher, PreparedLaunch
-from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, cdiv, forward_launch,
-                                            next_power_of_2)
+from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, backward_programs,
+                                            cdiv, forward_launch, next_power_of_2)
 from core.fusions.gated_norm_validation import (  # noqa: F401 (validate_gated_norm: re-exported)
     FUSED_GATED_NORM, INTERPRETED, KEY_ERRORS, check_activation, check_bool, check_option,
     check_dependent_launch, check_gated_norm_inputs, check_gated_norm_tensors,
@@ -555,7 +555,8 @@ def _backward_plan(x, gate, weight, rstd, dy, zero_centered, activation, bt, war
         if dw_sum_pdl:
             check_dependent_launch("backward_impl", "dw_sum_pdl", x.device)
         cfg = cfg._replace(dw_sum_pdl=dw_sum_pdl)
-    programs = min(programs or cfg.max_programs, cdiv(rows, bt))
+    blocks = cdiv(rows, bt)
+    programs = min(programs, blocks) if programs else backward_programs(cfg, blocks)
     x_strides, x_flat, x_dense = _layout(x, bt)
     g_strides, g_flat, g_dense = _layout(gate, bt)
     d_strides, d_flat, d_dense = _layout(dy, bt)

@@ -1,15 +1,17 @@
 """Launch heuristics of the fused gated norm, kept apart from the kernel bodies.
 
-Parameters are a pure function of (head dim, SM count): no first-call autotuning, so training
-steps are reproducible and have no warm-up stalls, and never of the row count, so a row's bits do
-not depend on the size of its batch. The numbers come from H200 sweeps (bf16; docs/design.md,
-launch choices; ``python tools/launch_sweep.py`` reruns them).
+Parameters are a pure function of the head dim and the GPU (its SM count and the DRAM bandwidth
+of an SM): no first-call autotuning, so training steps are reproducible and have no warm-up
+stalls. Blocks never depend on the row count, so a row's bits do not depend on the size of its
+batch; the row count sizes the grids, and the backward's number of programs, which only groups
+the rows of dW's fp32 partials. The numbers come from H200 and H100 sweeps (bf16;
+docs/design.md, Launch choices; ``python tools/launch_sweep.py`` reruns them).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,7 +35,8 @@ class BackwardLaunch(NamedTuple):
     bt: int  # rows per loop iteration of a program
     warps: int
     block_d: int
-    max_programs: int  # persistent grid size cap (also the number of fp32 dW partials)
+    max_programs: int  # persistent grid size cap (also the most fp32 dW partials)
+    long_walk_programs: int  # the grid where each program walks many row blocks (backward_programs)
     stages: int  # software pipelining of the row-block loop (loads of later blocks in flight)
     dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
     dw_sum_warps: int
@@ -49,6 +52,19 @@ class BackwardLaunch(NamedTuple):
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA ``device`` (the interpreter's launch is ``_interpreter``'s)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def dram_bandwidth_per_sm(device: torch.device) -> Optional[float]:
+    """Peak DRAM bandwidth of a CUDA ``device`` per SM, in bytes/s (two transfers per memory
+    clock over the bus: H100 SXM 3.35 TB/s over 132 SMs, 25 GB/s; H200 4.9 TB/s, 37 GB/s), or
+    None where torch does not report the memory clock or bus width."""
+    props = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / props.multi_processor_count
 
 
 # Programmatic dependent launch (sm_90+): the forward may start while the kernel before it
@@ -96,6 +112,15 @@ BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
+# Where an SM gets less DRAM bandwidth (the H100's 25 GB/s against the H200's 37), 6 programs per
+# SM stream faster than 8 once each of the 8 would walk LONG_WALK_BLOCKS row blocks or more
+# (H100: 3-6 % from 128k rows of 128 elements, 1-1.5 % at 64k), while below that 8 keep more
+# blocks in flight (6 were 9 % slower at 16k rows). On the H200, 6 were slower at every row
+# count. The program count changes no dx or dgate bit, only how dW's rows are grouped into
+# partials before the fixed-order sum.
+LOW_BANDWIDTH_PER_SM = 30e9  # bytes/s
+LOW_BANDWIDTH_PROGRAMS_PER_SM = 6
+LONG_WALK_BLOCKS = 12
 
 
 # The dW partial sum (gated_norm_dw_sum): a few columns per program, all partials in one load,
@@ -135,7 +160,7 @@ def next_power_of_2(n: int) -> int:
 def _interpreter(dim: int) -> BackwardLaunch:
     block_d = next_power_of_2(dim)
     return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,
-                          INTERPRETER_PROGRAMS, 1, block_d, 1)
+                          INTERPRETER_PROGRAMS, INTERPRETER_PROGRAMS, 1, block_d, 1)
 
 
 # Both are cached on (dim, device): every forward and backward asks, with the same answer.
@@ -169,8 +194,21 @@ def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
         bt = max(1, BACKWARD_ELEMENTS_PER_BLOCK // block_d)
         warps = _warps(bt * block_d, BACKWARD_ELEMENTS_PER_THREAD)
     dw_sum_columns = max(1, min(DW_SUM_MAX_COLUMNS, block_d // DW_SUM_PROGRAMS))
+    sms, bandwidth = sm_count(device), dram_bandwidth_per_sm(device)
+    long_walk_per_sm = (LOW_BANDWIDTH_PROGRAMS_PER_SM
+                        if bandwidth is not None and bandwidth < LOW_BANDWIDTH_PER_SM
+                        else BACKWARD_PROGRAMS_PER_SM)
     return BackwardLaunch(bt, warps, block_d,
-                          sm_count(device) * BACKWARD_PROGRAMS_PER_SM, BACKWARD_STAGES,
+                          sms * BACKWARD_PROGRAMS_PER_SM, sms * long_walk_per_sm, BACKWARD_STAGES,
                           dw_sum_columns, DW_SUM_WARPS,
                           DW_SUM_PDL and programmatic_dependent_launch(device),
                           programmatic_dependent_launch(device))
+
+
+def backward_programs(cfg: BackwardLaunch, blocks: int) -> int:
+    """Persistent programs of a backward over ``blocks`` row blocks: one per block up to
+    ``cfg.max_programs``, and ``cfg.long_walk_programs`` once each of ``cfg.max_programs`` would
+    walk LONG_WALK_BLOCKS blocks or more."""
+    if blocks >= LONG_WALK_BLOCKS * cfg.max_programs:
+        return cfg.long_walk_programs
+    return min(cfg.max_programs, blocks)

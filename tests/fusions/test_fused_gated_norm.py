@@ -889,6 +889,7 @@ def test_megatron_tensors_are_addressed_as_dense_blocks(monkeypatch):
     backward's blocks of D = 128 on a GPU, and the answer does not depend on the token count
     (no recompile)."""
     monkeypatch.setattr(launch_rules, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_rules, "dram_bandwidth_per_sm", lambda device: 37e9)
     monkeypatch.setattr(launch_rules, "programmatic_dependent_launch", lambda device: True)
     gpu = torch.device("cuda", 0)
     blocks = {launch_rules.forward_launch.__wrapped__(128, gpu).bt,
@@ -978,6 +979,34 @@ def test_any_block_and_grid_size_gives_the_same_result(bt, programs):
         for got, want in ((out, ref_out), (grads[0], ref_grads[0]), (grads[1], ref_grads[1])):
             assert ulp_distance(got, want).max().item() <= 1
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape, programs, grid", [
+    ((1, 2, 1, 64), None, 2),  # fewer blocks than the cap: one program each
+    ((1, 47, 1, 64), None, 4),  # the cap, each walking fewer than LONG_WALK_BLOCKS blocks
+    ((1, 12, 4, 64), None, 3),  # 48 blocks: each of 4 would walk 12, so the long-walk grid
+    ((1, 47, 1, 64), 5, 5),  # an override takes its count
+    ((1, 2, 1, 64), 100, 2),  # at most one program per block
+])
+def test_the_backward_grid_follows_the_launch_rule(monkeypatch, shape, programs, grid):
+    """backward_impl launches ``backward_programs(rule, blocks)`` programs, or the override, at
+    most one per row block; the grid moves no dx or dgate bit, only dW's grouping (a rule of
+    4 programs, 3 for long walks, and one row per block)."""
+    x, gate, weight = make_inputs(shape, torch.bfloat16)
+    dy = make_inputs(shape, torch.bfloat16, seed=4)[0]
+    _, rstd = kernel_module.forward_impl(x, gate, weight, EPS)
+    want = kernel_module.backward_impl(x, gate, weight, rstd, dy, bt=1, programs=1)
+    rule = launch_rules.backward_launch(64, x.device)._replace(
+        bt=1, max_programs=4, long_walk_programs=3)
+    monkeypatch.setattr(kernel_module, "backward_launch", lambda dim, device: rule)
+    monkeypatch.setattr(kernel_module, "_launch_plans", {})
+    grids, launch = [], kernel_module.launch_backward.launch
+    monkeypatch.setattr(kernel_module.launch_backward, "launch",
+                        lambda grid, *rest: (grids.append(grid), launch(grid, *rest)))
+    got = kernel_module.backward_impl(x, gate, weight, rstd, dy, programs=programs)
+    assert launch_rules.LONG_WALK_BLOCKS == 12 and grids == [grid]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=8e-3, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------ dW partial sum

@@ -242,6 +242,28 @@ def test_backward_blocks_with_the_same_row_layout_give_dx_the_same_bits(shape, b
     assert ulp_distance(default[2], wider[2]).max().item() <= 1
 
 
+def test_the_long_walk_grid_changes_no_dx_or_dgate_bit():
+    """At 262k rows every program of the full grid walks more than LONG_WALK_BLOCKS row blocks,
+    so the backward takes the rule's long-walk grid (6 programs per SM on an H100, 8 on an
+    H200). Against both grids, dx and dgate have the same bits; dW groups its rows otherwise,
+    within an ulp."""
+    import core.fusions.gated_norm_launch as launch
+
+    shape = (1, 8192, 32, 128)
+    x, gate, weight, dy, _ = make_grad_inputs(shape)
+    x, gate, weight = x.detach(), gate.detach(), weight.detach()
+    _, rstd = fgn.forward_impl(x, gate, weight, EPS)
+    cfg = fgn.backward_launch(shape[3], x.device)
+    blocks = x.shape[:3].numel() // cfg.bt
+    assert blocks >= launch.LONG_WALK_BLOCKS * cfg.max_programs
+    default = fgn.backward_impl(x, gate, weight, rstd, dy)
+    sms = launch.sm_count(x.device)
+    for per_sm in (launch.BACKWARD_PROGRAMS_PER_SM, launch.LOW_BANDWIDTH_PROGRAMS_PER_SM):
+        other = fgn.backward_impl(x, gate, weight, rstd, dy, programs=per_sm * sms)
+        assert torch.equal(default[0], other[0]) and torch.equal(default[1], other[1])
+        assert ulp_distance(default[2], other[2]).max().item() <= 1
+
+
 def test_cuda_graph_replay_matches_eager():
     """Forward + backward captured in one graph (the gate slice taken inside the captured step,
     as a model does), replayed on new data: the same bits as an eager step."""

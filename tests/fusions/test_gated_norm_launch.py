@@ -1,5 +1,6 @@
 """Launch heuristics (core/fusions/gated_norm_launch.py) for a GPU, on any machine: the SM count
-is the H200's, so the parameters checked are the ones the GPU runs get."""
+and the DRAM bandwidth are the H200's (or the H100's), so the parameters checked are the ones
+the GPU runs get."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import core.fusions.gated_norm_launch as launch
 
 GPU = torch.device("cuda", 0)
 H200_SMS = 132
+# Peak DRAM bandwidth per SM, bytes/s: two transfers per memory clock over the bus, over 132 SMs.
+H200_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6144 / 8 / H200_SMS
+H100_BANDWIDTH_PER_SM = 2 * 2_619_000e3 * 5120 / 8 / H200_SMS
 
 
 @pytest.fixture
 def h200(monkeypatch):
     monkeypatch.setattr(launch, "sm_count", lambda device: H200_SMS)
+    monkeypatch.setattr(launch, "dram_bandwidth_per_sm", lambda device: H200_BANDWIDTH_PER_SM)
     monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: True)  # sm_90
     launch.forward_launch.cache_clear()
     launch.backward_launch.cache_clear()
@@ -34,12 +39,50 @@ def test_h200_parameters(h200):
     assert launch.forward_launch(200, GPU) == forward(bt=4, warps=4, block_d=256)
     assert launch.forward_launch(512, GPU) == forward(bt=4, warps=4, block_d=512)
     assert launch.backward_launch(128, GPU) == launch.BackwardLaunch(
-        bt=4, warps=1, block_d=128, max_programs=8 * H200_SMS, stages=3, dw_sum_columns=2,
-        dw_sum_warps=8, dw_sum_pdl=True, dw_sum_dependents=True)
+        bt=4, warps=1, block_d=128, max_programs=8 * H200_SMS, long_walk_programs=8 * H200_SMS,
+        stages=3, dw_sum_columns=2, dw_sum_warps=8, dw_sum_pdl=True, dw_sum_dependents=True)
     cfg = launch.backward_launch(256, GPU)
     assert (cfg.bt, cfg.warps, cfg.dw_sum_columns) == (2, 1, 4)
     assert launch.backward_launch(200, GPU)[:3] == (2, 1, 256)
     assert launch.backward_launch(512, GPU).dw_sum_columns == 8
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_backward_programs_follow_the_dram_bandwidth_of_an_sm(h200, monkeypatch, dim):
+    """8 persistent programs per SM; on an H100 (less DRAM bandwidth per SM) 6 once each of the
+    8 would walk LONG_WALK_BLOCKS row blocks or more; fewer blocks than programs take one
+    program each. Where torch reports no memory clock, the H200's rule."""
+    h200 = launch.backward_launch(dim, GPU)
+    long_walk = launch.LONG_WALK_BLOCKS * 8 * H200_SMS
+    for blocks in (1, 1000, 8 * H200_SMS, long_walk - 1, long_walk, 10**6):
+        assert launch.backward_programs(h200, blocks) == min(blocks, 8 * H200_SMS)
+    for bandwidth, per_sm in ((H100_BANDWIDTH_PER_SM, 6), (None, 8)):
+        monkeypatch.setattr(launch, "dram_bandwidth_per_sm", lambda device: bandwidth)
+        launch.backward_launch.cache_clear()
+        cfg = launch.backward_launch(dim, GPU)
+        assert cfg == h200._replace(long_walk_programs=per_sm * H200_SMS)
+        assert launch.backward_programs(cfg, 100) == 100
+        assert launch.backward_programs(cfg, long_walk - 1) == 8 * H200_SMS
+        assert launch.backward_programs(cfg, long_walk) == per_sm * H200_SMS
+        assert launch.backward_programs(cfg, 10**6) == per_sm * H200_SMS
+    launch.backward_launch.cache_clear()
+
+
+def test_dram_bandwidth_per_sm_from_the_device_properties(monkeypatch):
+    """Two transfers per memory clock (kHz) over the bus (bits), over the SMs; None where torch
+    reports no memory clock or bus width."""
+    class H100Properties:
+        memory_clock_rate, memory_bus_width, multi_processor_count = 2_619_000, 5120, 132
+
+    class Unreported:
+        multi_processor_count = 132
+
+    for props, want in ((H100Properties, H100_BANDWIDTH_PER_SM), (Unreported, None)):
+        launch.dram_bandwidth_per_sm.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+        assert launch.dram_bandwidth_per_sm(GPU) == want
+    assert 25e9 < H100_BANDWIDTH_PER_SM < launch.LOW_BANDWIDTH_PER_SM < H200_BANDWIDTH_PER_SM
+    launch.dram_bandwidth_per_sm.cache_clear()
 
 
 def test_no_programmatic_dependent_launch_where_the_gpu_has_none(h200, monkeypatch):
@@ -97,6 +140,7 @@ def test_interpreter_parameters():
     cpu = torch.device("cpu")
     assert launch.forward_launch(64, cpu).bt * 64 == launch.INTERPRETER_ELEMENTS_PER_BLOCK
     assert launch.backward_launch(64, cpu).max_programs == launch.INTERPRETER_PROGRAMS
+    assert launch.backward_launch(64, cpu).long_walk_programs == launch.INTERPRETER_PROGRAMS
     # griddepcontrol is PTX: the interpreter launches nothing early
     backward = launch.backward_launch(64, cpu)
     assert not launch.forward_launch(64, cpu).pdl

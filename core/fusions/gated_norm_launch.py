@@ -36,7 +36,7 @@ class BackwardLaunch(NamedTuple):
     warps: int
     block_d: int
     max_programs: int  # persistent grid size cap (also the most fp32 dW partials)
-    long_walk_programs: int  # the grid where each program walks many row blocks (backward_programs)
+    long_walk_programs: int  # the grid once each program walks many row blocks (backward_programs)
     stages: int  # software pipelining of the row-block loop (loads of later blocks in flight)
     dw_sum_columns: int  # gated_norm_dw_sum: columns per program (all partials in one load)
     dw_sum_warps: int
@@ -94,7 +94,7 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
 # Block shapes from H200 sweeps (bf16; the measurements: docs/design.md, Launch choices).
 # Forward: 2048 elements per program, 8 per thread up to 128 elements per row and 16 beyond.
 # Backward: 512 elements per loop iteration, 8 per thread (16, one warp, at 128 and 256), 3
-# pipeline stages, 8 persistent programs per SM.
+# pipeline stages, 8 persistent programs per SM (6 for long walks on an H100: below).
 # Neither depends on the row count (only the grid does): a row's fp32 reduction tree follows its
 # layout along the row, so a rows-dependent block could give a token other bits in another batch
 # (test_rows_get_the_same_bits_in_any_batch), and a new token count never compiles a new kernel.
@@ -183,8 +183,9 @@ def forward_launch(dim: int, device: torch.device) -> ForwardLaunch:
 
 @functools.lru_cache(maxsize=1024)
 def backward_launch(dim: int, device: torch.device) -> BackwardLaunch:
-    """Launch parameters of gated_norm_bwd (a persistent grid of at most ``max_programs``) and of
-    the dW partial sum, for rows of ``dim`` elements; independent of the row count."""
+    """Launch parameters of gated_norm_bwd (a persistent grid of at most ``max_programs``; its
+    size for a row count: ``backward_programs``) and of the dW partial sum, for rows of ``dim``
+    elements."""
     if device.type == "cpu":
         return _interpreter(dim)
     block_d = next_power_of_2(dim)

@@ -114,10 +114,10 @@ BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
 # Where an SM gets less DRAM bandwidth (the H100's 25 GB/s against the H200's 37), 6 programs per
 # SM stream faster than 8 once each of the 8 would walk LONG_WALK_BLOCKS row blocks or more
-# (H100: 3-6 % from 128k rows of 128 elements, 1-1.5 % at 64k), while below that 8 keep more
-# blocks in flight (6 were 9 % slower at 16k rows). On the H200, 6 were slower at every row
-# count. The program count changes no dx or dgate bit, only how dW's rows are grouped into
-# partials before the fixed-order sum.
+# (H100: 3.5-5 % from 128k rows of 128 elements, 1.5 % at 64k), while below that 8 keep more
+# blocks in flight (6 were 10 % slower at 16k rows). On the H200, 6 were 7-11 % slower at every
+# row count (docs/design.md, Launch choices). The program count changes no dx or dgate bit, only
+# how dW's rows are grouped into partials before the fixed-order sum.
 LOW_BANDWIDTH_PER_SM = 30e9  # bytes/s
 LOW_BANDWIDTH_PROGRAMS_PER_SM = 6
 LONG_WALK_BLOCKS = 12

@@ -57,7 +57,7 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def dram_bandwidth_per_sm(device: torch.device) -> Optional[float]:
     """Peak DRAM bandwidth of a CUDA ``device`` per SM, in bytes/s (two transfers per memory
-    clock over the bus: H100 SXM 3.35 TB/s over 132 SMs, 25 GB/s; H200 4.9 TB/s, 37 GB/s), or
+    clock over the bus: H100 SXM 3.35 TB/s over 132 SMs, 25 GB/s; H200 4.8 TB/s, 36.5 GB/s), or
     None where torch does not report the memory clock or bus width."""
     props = torch.cuda.get_device_properties(device)
     clock_khz = getattr(props, "memory_clock_rate", 0)
@@ -112,7 +112,7 @@ BACKWARD_ELEMENTS_PER_THREAD = 8
 BACKWARD_SWEPT_BLOCKS = {128: (4, 1), 256: (2, 1)}
 BACKWARD_PROGRAMS_PER_SM = 8
 BACKWARD_STAGES = 3
-# Where an SM gets less DRAM bandwidth (the H100's 25 GB/s against the H200's 37), 6 programs per
+# Where an SM gets less DRAM bandwidth (the H100's 25 GB/s against the H200's 36.5), 6 programs per
 # SM stream faster than 8 once each of the 8 would walk LONG_WALK_BLOCKS row blocks or more
 # (H100: 3.5-5 % from 128k rows of 128 elements, 1.5 % at 64k), while below that 8 keep more
 # blocks in flight (6 were 10 % slower at 16k rows). On the H200, 6 were 7-11 % slower at every

@@ -14,8 +14,9 @@ import core.fusions.gated_norm_launch as launch
 
 GPU = torch.device("cuda", 0)
 H200_SMS = 132
-# Peak DRAM bandwidth per SM, bytes/s: two transfers per memory clock over the bus, over 132 SMs.
-H200_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6144 / 8 / H200_SMS
+# Peak DRAM bandwidth per SM, bytes/s: two transfers per memory clock over the bus, over 132 SMs,
+# from what torch reports on each GPU (H200: 3201 MHz, 6016 bits; H100 SXM: 2619 MHz, 5120 bits).
+H200_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6016 / 8 / H200_SMS
 H100_BANDWIDTH_PER_SM = 2 * 2_619_000e3 * 5120 / 8 / H200_SMS
 
 
@@ -74,10 +75,14 @@ def test_dram_bandwidth_per_sm_from_the_device_properties(monkeypatch):
     class H100Properties:
         memory_clock_rate, memory_bus_width, multi_processor_count = 2_619_000, 5120, 132
 
+    class H200Properties:
+        memory_clock_rate, memory_bus_width, multi_processor_count = 3_201_000, 6016, 132
+
     class Unreported:
         multi_processor_count = 132
 
-    for props, want in ((H100Properties, H100_BANDWIDTH_PER_SM), (Unreported, None)):
+    for props, want in ((H100Properties, H100_BANDWIDTH_PER_SM),
+                        (H200Properties, H200_BANDWIDTH_PER_SM), (Unreported, None)):
         launch.dram_bandwidth_per_sm.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
         assert launch.dram_bandwidth_per_sm(GPU) == want

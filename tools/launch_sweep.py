@@ -8,7 +8,11 @@ alone (and torch's sum of the same partials) (``backward_parts``); both next to 
 moves the same bytes (docs/design.md, Small row counts).
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--programs-per-sm 4,8,16]
-                                 [--stages 1,3] [--out DIR]   # -> DIR/launch_sweep.json
+                                 [--stages 1,3] [--blocks 8x1,16x2] [--out DIR]
+                                 # -> DIR/launch_sweep.json
+
+``--blocks`` (rows x warps) replaces the swept blocks, 512-2048 elements with 4-16 per thread
+(``candidate_blocks``), for every shape.
 
 The shipped heuristics (core/fusions/gated_norm_launch.py) are a function of the head dim and
 the SM count only; docs/design.md says why.
@@ -53,8 +57,23 @@ def candidate_blocks(dim: int) -> list[tuple[int, int]]:
             if low <= bt * block_d // (32 * warps) <= high]
 
 
+def parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
+    """'8x1,16x2' -> ((8, 1), (16, 2)): (rows per block, warps) pairs, both powers of two."""
+    blocks = []
+    for part in text.split(","):
+        numbers = part.strip().lower().split("x")
+        if (len(numbers) != 2 or not all(n.isdigit() and int(n) > 0 and int(n) & (int(n) - 1) == 0
+                                         for n in numbers)):
+            raise ValueError(f"--blocks {text!r}: expected comma-separated ROWSxWARPS pairs of "
+                             "powers of two")
+        blocks.append((int(numbers[0]), int(numbers[1])))
+    return tuple(blocks)
+
+
 def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM,
-                stages_swept=STAGES) -> list[dict]:
+                stages_swept=STAGES, blocks=None) -> list[dict]:
+    """Every launch of the sweep at ``shape`` (``blocks``: the (rows, warps) pairs to sweep,
+    ``candidate_blocks`` when None), then the parts of the shipped kernels."""
     x, g, w, dy, _ = make_inputs(shape)
     x, g, w = x.detach(), g.detach(), w.detach()
     nbytes = bytes_moved(shape)
@@ -87,7 +106,7 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
     for flag, times in pairs.items():
         record("bwd", statistics.median(times), **shipped_bwd, dw_sum_pdl=flag, runs_us=times,
                shipped=flag == bwd_cfg.dw_sum_pdl)
-    for bt, warps in candidate_blocks(shape[3]):
+    for bt, warps in blocks or candidate_blocks(shape[3]):
         for pdl in dict.fromkeys((False, fwd_cfg.pdl)):
             timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS, bt=bt, warps=warps, pdl=pdl),
                   bt=bt, warps=warps, pdl=pdl)
@@ -200,12 +219,15 @@ def main(argv=None) -> None:
                         help="backward: comma-separated persistent programs per SM to sweep")
     parser.add_argument("--stages", default=",".join(map(str, STAGES)),
                         help="backward: comma-separated pipeline stage counts to sweep")
+    parser.add_argument("--blocks", default=None,
+                        help="comma-separated ROWSxWARPS blocks to sweep instead of the candidates")
     parser.add_argument("--out", default="out/benchmark", help="folder for launch_sweep.json")
     args = parser.parse_args(argv)
     try:
         shapes = [parse_shape(s) for s in args.shapes.split(",")]
         programs_per_sm = parse_positive_ints("--programs-per-sm", args.programs_per_sm)
         stages = parse_positive_ints("--stages", args.stages)
+        blocks = parse_blocks(args.blocks) if args.blocks is not None else None
     except ValueError as exc:
         parser.error(str(exc))
     require_cuda("launch_sweep.py")
@@ -213,7 +235,8 @@ def main(argv=None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"env": environment(), "ceiling": ceiling, "sweep": []}
     for shape in shapes:
-        results["sweep"] += sweep_shape(shape, ceiling["GBps"], sms, programs_per_sm, stages)
+        results["sweep"] += sweep_shape(shape, ceiling["GBps"], sms, programs_per_sm, stages,
+                                        blocks)
         write_json(results, args.out, "launch_sweep.json")
     for line in best_lines(results["sweep"]):
         log(line)

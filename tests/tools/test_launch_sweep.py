@@ -95,10 +95,37 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     assert all(torch.equal(s, dweight) for s in summed)
 
 
+def test_sweep_blocks_replace_the_candidates(monkeypatch):
+    """--blocks: exactly the given (rows, warps) pairs are swept, for both kernels, beside the
+    shipped launches (which pass no block)."""
+    assert launch_sweep.parse_blocks("8x1, 16X2") == ((8, 1), (16, 2))
+    launches = []
+
+    def launch(kernel):  # stands in for the impls: records the block a launch asks for
+        def impl(x, *args, **kwargs):
+            launches.append((kernel, kwargs.get("bt"), kwargs.get("warps")))
+            return x, None
+        return impl
+
+    monkeypatch.setattr(launch_sweep, "make_inputs", lambda shape: make_inputs(shape, device="cpu"))
+    monkeypatch.setattr(launch_sweep, "bench_graph", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(launch_sweep, "forward_parts", lambda *args: {})
+    monkeypatch.setattr(launch_sweep, "backward_parts", lambda *args: {})
+    monkeypatch.setattr(launch_sweep.fgn, "forward_impl", launch("fwd"))
+    monkeypatch.setattr(launch_sweep.fgn, "backward_impl", launch("bwd"))
+    launch_sweep.sweep_shape((1, 8, 2, 64), 1.0, sms=1, programs_per_sm=(8,), stages_swept=(3,),
+                             blocks=((8, 1), (16, 2)))
+    for kernel in ("fwd", "bwd"):
+        assert {(bt, warps) for k, bt, warps in launches if k == kernel} == {
+            (None, None), (8, 1), (16, 2)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--stages", "0"], "--stages '0': expected comma-separated positive integers"),
     (["--programs-per-sm", "8,x"], "--programs-per-sm '8,x': expected comma-separated positive integers"),
     (["--shapes", "1x2"], "shape '1x2': expected BxSxHxD with four positive integers"),
+    (["--blocks", "8x3"], "--blocks '8x3': expected comma-separated ROWSxWARPS pairs of powers of two"),
+    (["--blocks", "8"], "--blocks '8': expected comma-separated ROWSxWARPS pairs of powers of two"),
 ])
 def test_launch_sweep_arguments_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -47,6 +47,17 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)
 
 
+def parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
+    """'8x1,16x2' -> ((8, 1), (16, 2)) for ``--blocks``: (rows per block, warps) pairs, both
+    powers of two; anything else is an error."""
+    pairs = [p.strip().lower().split("x") for p in text.split(",")]
+    if not all(len(pair) == 2 and all(_is_positive_int(n) and int(n) & (int(n) - 1) == 0
+                                      for n in pair) for pair in pairs):
+        raise ValueError(f"--blocks {text!r}: expected comma-separated ROWSxWARPS pairs of "
+                         "powers of two")
+    return tuple((int(rows), int(warps)) for rows, warps in pairs)
+
+
 def parse_positive_ints(option: str, text: str) -> tuple[int, ...]:
     """'4,8,16' -> (4, 8, 16) for a command-line ``option``; anything but comma-separated
     positive integers is an error."""

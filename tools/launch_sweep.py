@@ -31,9 +31,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # noqa: E402
-                                environment, log, make_inputs, parse_positive_ints,
-                                parse_shape, pct_of_ceiling, require_cuda, same_bytes_copy,
-                                same_bytes_tensors, shape_label, write_json)
+                                environment, log, make_inputs, parse_blocks,
+                                parse_positive_ints, parse_shape, pct_of_ceiling, require_cuda,
+                                same_bytes_copy, same_bytes_tensors, shape_label, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 from core.fusions.gated_norm_launch import backward_programs, cdiv  # noqa: E402
@@ -55,19 +55,6 @@ def candidate_blocks(dim: int) -> list[tuple[int, int]]:
     blocks = dict.fromkeys((max(1, n // block_d), warps) for n in BLOCK_ELEMENTS for warps in WARPS)
     return [(bt, warps) for bt, warps in blocks
             if low <= bt * block_d // (32 * warps) <= high]
-
-
-def parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
-    """'8x1,16x2' -> ((8, 1), (16, 2)): (rows per block, warps) pairs, both powers of two."""
-    blocks = []
-    for part in text.split(","):
-        numbers = part.strip().lower().split("x")
-        if (len(numbers) != 2 or not all(n.isdigit() and int(n) > 0 and int(n) & (int(n) - 1) == 0
-                                         for n in numbers)):
-            raise ValueError(f"--blocks {text!r}: expected comma-separated ROWSxWARPS pairs of "
-                             "powers of two")
-        blocks.append((int(numbers[0]), int(numbers[1])))
-    return tuple(blocks)
 
 
 def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM,

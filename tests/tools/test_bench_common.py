@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_positive_ints,
-                                parse_shape, pct_of_ceiling, same_bytes_copy, shape_label)
+from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_blocks,
+                                parse_positive_ints, parse_shape, pct_of_ceiling, same_bytes_copy,
+                                shape_label)
 
 def test_parse_shape():
     assert parse_shape("1x4096x32x128") == (1, 4096, 32, 128)
@@ -25,6 +26,13 @@ def test_parse_positive_ints(text):
 def test_parse_positive_ints_rejects_anything_else(text):
     with pytest.raises(ValueError, match="--stages"):
         parse_positive_ints("--stages", text)
+
+
+def test_parse_blocks():
+    assert parse_blocks("8x1, 16X2") == ((8, 1), (16, 2))
+    for bad in ("8x3", "8", "0x1", "8x1x2", "8x1,,4x1", "ax1"):
+        with pytest.raises(ValueError, match="ROWSxWARPS pairs of powers of two"):
+            parse_blocks(bad)
 
 
 def test_shape_label():

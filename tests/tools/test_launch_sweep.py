@@ -98,7 +98,6 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
 def test_sweep_blocks_replace_the_candidates(monkeypatch):
     """--blocks: exactly the given (rows, warps) pairs are swept, for both kernels, beside the
     shipped launches (which pass no block)."""
-    assert launch_sweep.parse_blocks("8x1, 16X2") == ((8, 1), (16, 2))
     launches = []
 
     def launch(kernel):  # stands in for the impls: records the block a launch asks for

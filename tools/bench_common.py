@@ -144,13 +144,24 @@ def _same_bytes_copy(a, b, c, summed, copied, N, BACKWARD: tl.constexpr, BLOCK: 
 SAME_BYTES_BLOCK, SAME_BYTES_WARPS = 2048, 8  # the forward's block: 8 elements per thread
 
 
-def same_bytes_copy(tensors: tuple, backward: bool) -> None:
+def same_bytes_copy(tensors: tuple, backward: bool, new_outputs: bool = False) -> tuple:
     """One launch of the copy kernel on five flat tensors of one size (a, b, c, summed, copied):
-    the forward's element bytes (2 read, 1 written) or the backward's (3 read, 2 written)."""
-    n = tensors[0].numel()
-    _same_bytes_copy[(triton.cdiv(n, SAME_BYTES_BLOCK),)](*tensors, n, BACKWARD=backward,
+    the forward's element bytes (2 read, 1 written) or the backward's (3 read, 2 written).
+    Returns what it wrote: ``(summed, copied)``, copied None for the forward. ``new_outputs``:
+    into tensors allocated for this call, as every implementation timed allocates its results
+    (a graph of captured calls keeps one call's outputs while the next runs, so the calls cycle
+    through two sets, which at some sizes no longer fit the L2 with the inputs), instead of the
+    last two of ``tensors``."""
+    a, b, c, summed, copied = tensors
+    if new_outputs:
+        summed = torch.empty_like(a)
+        copied = torch.empty_like(c) if backward else summed
+    n = a.numel()
+    _same_bytes_copy[(triton.cdiv(n, SAME_BYTES_BLOCK),)](a, b, c, summed, copied, n,
+                                                          BACKWARD=backward,
                                                           BLOCK=SAME_BYTES_BLOCK,
                                                           num_warps=SAME_BYTES_WARPS)
+    return summed, copied if backward else None
 
 
 def same_bytes_tensors(shape, device=None) -> tuple:
@@ -161,10 +172,12 @@ def same_bytes_tensors(shape, device=None) -> tuple:
 
 def same_bytes_copy_us(shape) -> dict:
     """GPU time (``bench_graph``) of a kernel that moves a [B, S, H, D] bf16 shape's element bytes
-    of each phase with no arithmetic but one add (rstd's 4 bytes per row aside): what a kernel
-    can reach at this size in this harness."""
+    of each phase with no arithmetic but one add (rstd's 4 bytes per row aside), into outputs it
+    allocates per call as the implementations do: what a kernel can reach at this size in this
+    harness."""
     tensors = same_bytes_tensors(shape)
-    return {phase: bench_graph(lambda backward=backward: same_bytes_copy(tensors, backward))
+    return {phase: bench_graph(lambda backward=backward: same_bytes_copy(tensors, backward,
+                                                                         new_outputs=True))
             for phase, backward in (("fwd", False), ("bwd", True))}
 
 

@@ -128,13 +128,16 @@ def forward_parts(x, g, w) -> dict:
     """The shipped forward, which allocates its output per call (a graph of captured calls keeps
     one call's output while the next runs, so it cycles through two), against the same launch
     into one output allocated once, and the kernel that moves the forward's bytes
-    (``same_bytes_copy``, buffers allocated once); medians of the three timed in turn."""
+    (``same_bytes_copy``) into a buffer allocated once and into one allocated per call; medians
+    of the four timed in turn."""
     out = torch.empty_like(x)
     copy = same_bytes_tensors(x.shape, x.device)
     return medians_in_turn({
         "forward_us": lambda: fgn.forward_impl(x, g, w, EPS),
         "forward_one_output_us": lambda: fgn.forward_impl(x, g, w, EPS, out=out),
         "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=False),
+        "same_bytes_copy_new_outputs_us": lambda: same_bytes_copy(copy, backward=False,
+                                                                  new_outputs=True),
     })
 
 
@@ -151,7 +154,8 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     shipped backward allocates dx and dgate per call, so a graph of its calls cycles through
     more memory); its dW sum alone (the fixed-order sum of the row kernel's per-program fp32
     partials, rounded to the weight's dtype); torch's ``sum(0).to(dtype)`` of the same partials;
-    and the kernel that moves the backward's bytes (``same_bytes_copy``)."""
+    and the kernel that moves the backward's bytes (``same_bytes_copy``) into buffers allocated
+    once and into two allocated per call, as the shipped backward's dx and dgate are."""
     _, plan = fgn._backward_plan(x, g, w, rstd, dy, zero_centered=False, activation="silu",
                                  bt=None, warps=None, programs=None, stages=None,
                                  weight_grad_scale=1.0, dw_sum_pdl=None)
@@ -176,6 +180,8 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
         "dw_sum_us": dw_sum,
         "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
         "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=True),
+        "same_bytes_copy_new_outputs_us": lambda: same_bytes_copy(copy, backward=True,
+                                                                  new_outputs=True),
     })
 
 
@@ -227,12 +233,15 @@ def main(argv=None) -> None:
         write_json(results, args.out, "launch_sweep.json")
     for line in best_lines(results["sweep"]):
         log(line)
-    log("shape | forward | forward into one output | same-bytes copy (us)")
+    log("shape | forward | forward into one output | same-bytes copy: into one output, into new "
+        "ones (us)")
     for r in results["sweep"]:
         if r["kernel"] == "forward_parts":
             log(f"{shape_label(r['shape'])} | {r['forward_us']:.2f} | "
-                f"{r['forward_one_output_us']:.2f} | {r['same_bytes_copy_us']:.2f}")
-    log("shape | backward | row kernel | + empty kernel | + dW sum | dW sum | same-bytes copy (us)")
+                f"{r['forward_one_output_us']:.2f} | {r['same_bytes_copy_us']:.2f}, "
+                f"{r['same_bytes_copy_new_outputs_us']:.2f}")
+    log("shape | backward | row kernel | + empty kernel | + dW sum | dW sum | same-bytes copy: "
+        "into buffers allocated once, into new ones (us)")
     shipped = {tuple(r["shape"]): r["us"] for r in results["sweep"]
                if r["kernel"] == "bwd" and r.get("shipped")}
     for r in results["sweep"]:
@@ -240,7 +249,7 @@ def main(argv=None) -> None:
             log(f"{shape_label(r['shape'])} | {shipped[tuple(r['shape'])]:.2f} | "
                 f"{r['row_kernel_us']:.2f} | {r['row_kernel_then_empty_us']:.2f} | "
                 f"{r['row_kernel_then_dw_sum_us']:.2f} | {r['dw_sum_us']:.2f} | "
-                f"{r['same_bytes_copy_us']:.2f}")
+                f"{r['same_bytes_copy_us']:.2f}, {r['same_bytes_copy_new_outputs_us']:.2f}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools import bench_common
 from tools.bench_common import (bytes_moved, gbps, make_inputs, parse_blocks,
                                 parse_positive_ints, parse_shape, pct_of_ceiling, same_bytes_copy,
-                                shape_label)
+                                same_bytes_copy_us, shape_label)
 
 def test_parse_shape():
     assert parse_shape("1x4096x32x128") == (1, 4096, 32, 128)
@@ -48,17 +49,46 @@ def test_bytes_moved_and_rates():
     assert pct_of_ceiling(4_000_000, 1000.0, 8.0) == pytest.approx(50.0)
 
 
+@pytest.mark.parametrize("new_outputs", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.interpreter
-def test_same_bytes_copy_moves_each_phase_s_bytes(backward):
+def test_same_bytes_copy_moves_each_phase_s_bytes(backward, new_outputs):
     """The yardstick kernel reads two tensors and writes one (forward), or reads three and
-    writes two (backward), over elements past one block."""
+    writes two (backward), over elements past one block; into the last two of its tensors, or
+    into outputs of its own (new_outputs), which it returns either way."""
     n = 2048 + 5
     a, b, c = (torch.randn(n, dtype=torch.bfloat16) for _ in range(3))
     summed, copied = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
-    same_bytes_copy((a, b, c, summed, copied), backward)
-    torch.testing.assert_close(summed, a + b)  # rounded (GPU) or truncated (interpreter)
-    assert torch.equal(copied, c if backward else torch.zeros_like(c))
+    written = same_bytes_copy((a, b, c, summed, copied), backward, new_outputs=new_outputs)
+    assert (written[0] is summed) != new_outputs
+    torch.testing.assert_close(written[0], a + b)  # rounded (GPU) or truncated (interpreter)
+    if backward:
+        assert (written[1] is copied) != new_outputs and torch.equal(written[1], c)
+    else:
+        assert written[1] is None
+    if new_outputs or not backward:  # buffers it was given and did not write stay as they were
+        assert torch.equal(copied, torch.zeros_like(c))
+    if new_outputs:
+        assert torch.equal(summed, torch.zeros_like(a))
+
+
+@pytest.mark.interpreter
+def test_the_benchmarks_copy_writes_new_outputs_per_call(monkeypatch):
+    """The benchmark times its yardstick as it times every implementation: each call writes
+    outputs of its own (the calls of a captured graph then cycle through two sets)."""
+    written = []
+
+    def run_twice(fn):  # stands in for bench_graph: two calls, what each returned kept
+        written.append((fn(), fn()))
+        return 1.0
+
+    monkeypatch.setattr(bench_common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_common, "bench_graph", run_twice)
+    assert same_bytes_copy_us((1, 4, 2, 300)) == {"fwd": 1.0, "bwd": 1.0}
+    (fwd_first, fwd_second), (bwd_first, bwd_second) = written
+    assert fwd_first[1] is None and fwd_first[0].numel() == 4 * 2 * 300
+    assert fwd_first[0].data_ptr() != fwd_second[0].data_ptr()
+    assert len({t.data_ptr() for t in (*bwd_first, *bwd_second)}) == 4
 
 
 def test_strided_gate_is_a_slice_of_the_packed_projection():

@@ -36,26 +36,31 @@ def test_sweep_best_lines_rank_by_time():
 def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
     """forward_parts runs each part once per alternation, every part before the next
     alternation, and reports the median of each; the launch into the output allocated once
-    writes what the shipped forward returns."""
-    order, outputs = [], []
+    writes what the shipped forward returns; the copy writes one buffer in every call, or a new
+    one per call."""
+    order, results = [], []
 
     def one_run(fn):  # stands in for bench_graph: runs the part, "times" it by its position
-        result = fn()
-        if isinstance(result, tuple):  # forward_impl's (out, rstd)
-            outputs.append(result[0].clone())
+        results.append(fn())
         order.append(fn)
         return float(len(order))
 
     monkeypatch.setattr(launch_sweep, "bench_graph", one_run)
     x, g, w, _, _ = make_inputs((1, 8, 2, 64), device="cpu")
     medians = launch_sweep.forward_parts(x.detach(), g.detach(), w.detach())
-    names = ("forward_us", "forward_one_output_us", "same_bytes_copy_us")
+    names = ("forward_us", "forward_one_output_us", "same_bytes_copy_us",
+             "same_bytes_copy_new_outputs_us")
     assert tuple(medians) == names
     assert len(order) == ALTERNATIONS * len(names)
     middle = ALTERNATIONS // 2
     assert medians == {name: float(middle * len(names) + i + 1) for i, name in enumerate(names)}
-    assert len(outputs) == 2 * ALTERNATIONS
-    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    by_part = {name: results[i::len(names)] for i, name in enumerate(names)}
+    forwards = [out for name in names[:2] for out, _ in by_part[name]]
+    assert all(torch.equal(out, forwards[0]) for out in forwards)
+    for name, distinct in (("same_bytes_copy_us", 1), ("same_bytes_copy_new_outputs_us", ALTERNATIONS)):
+        written = by_part[name]
+        assert all(copied is None and summed.numel() == x.numel() for summed, copied in written)
+        assert len({id(summed) for summed, _ in written}) == distinct
 
 
 @pytest.mark.interpreter
@@ -84,10 +89,10 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
                             sums.append(tensors[1].clone())))
     medians = launch_sweep.backward_parts(x, g, w, rstd, dy)
     names = ("row_kernel_us", "row_kernel_then_empty_us", "row_kernel_then_dw_sum_us",
-             "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us")
+             "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us", "same_bytes_copy_new_outputs_us")
     assert tuple(medians) == names
     assert len(order) == ALTERNATIONS * len(names)
-    middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 6 + i + 1
+    middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 7 + i + 1
     assert medians == {name: float(middle * len(names) + i + 1) for i, name in enumerate(names)}
     summed = list(sums)  # backward_impl below sums through the same wrapped launch
     assert len(summed) == 2 * ALTERNATIONS  # after the row kernel, and alone

@@ -5,7 +5,8 @@ shipped launch of each kernel timed in the same run. Per shape it also times the
 against the same launch into one output allocated once (``forward_parts``), and splits the
 shipped backward: its row kernel alone, followed by an empty kernel and by its dW sum, its dW sum
 alone (and torch's sum of the same partials) (``backward_parts``); both next to the kernel that
-moves the same bytes (docs/design.md, Small row counts).
+moves the same bytes, into buffers allocated once and into new ones per call (docs/design.md,
+Small row counts).
 
     python tools/launch_sweep.py [--shapes 1x4096x8x128,4x4096x16x256] [--programs-per-sm 4,8,16]
                                  [--stages 1,3] [--blocks 8x1,16x2] [--out DIR]

@@ -41,10 +41,9 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
 import core.fusions.gated_norm_validation as validation  # noqa: E402
 import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
+from core.testing.h200 import h200_device_rules  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
-H200_SMS = 132
-H200_DRAM_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6016 / 8 / H200_SMS  # bytes/s, as torch reports it
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -76,20 +75,15 @@ def h200_launch_rules():
     SMs, its DRAM bandwidth, sm_90: pipelining and programmatic dependent launch) for tensors on
     any device."""
     gpu = torch.device("cuda", 0)
-    saved = (fgn.forward_launch, fgn.backward_launch, dict(fgn._launch_plans),
-             launch_rules.sm_count, launch_rules.dram_bandwidth_per_sm,
-             launch_rules.programmatic_dependent_launch)
-    launch_rules.sm_count = lambda device: H200_SMS
-    launch_rules.dram_bandwidth_per_sm = lambda device: H200_DRAM_BANDWIDTH_PER_SM
-    launch_rules.programmatic_dependent_launch = lambda device: True
-    fgn.forward_launch = lambda dim, device: launch_rules.forward_launch.__wrapped__(dim, gpu)
-    fgn.backward_launch = lambda dim, device: launch_rules.backward_launch.__wrapped__(dim, gpu)
+    saved = (fgn.forward_launch, fgn.backward_launch, dict(fgn._launch_plans))
+    fgn.forward_launch = lambda dim, device: launch_rules.forward_launch(dim, gpu)
+    fgn.backward_launch = lambda dim, device: launch_rules.backward_launch(dim, gpu)
     fgn._launch_plans.clear()
     try:
-        yield
+        with h200_device_rules():
+            yield
     finally:
-        (fgn.forward_launch, fgn.backward_launch, plans, launch_rules.sm_count,
-         launch_rules.dram_bandwidth_per_sm, launch_rules.programmatic_dependent_launch) = saved
+        fgn.forward_launch, fgn.backward_launch, plans = saved
         fgn._launch_plans.clear()
         fgn._launch_plans.update(plans)
 

@@ -17,6 +17,7 @@ from core.fusions.fused_gated_norm import _row_offset, fused_gated_norm
 import core.fusions.gated_norm_launch as launch_rules
 from core.fusions.gated_norm_launch import forward_launch
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
+from core.testing.h200 import h200_device_rules
 from tests.gated_norm_checks import (
     RecordOps,
     assert_bitwise_or_within_ulps,
@@ -883,17 +884,15 @@ def _dense(t, bt):
     return kernel_module._layout(t, bt)[2]
 
 
-def test_megatron_tensors_are_addressed_as_dense_blocks(monkeypatch):
+def test_megatron_tensors_are_addressed_as_dense_blocks():
     """FLA's contiguous output, the gate slice of the packed projection and the sbhd output
     buffer take the dense path (32-bit offsets from one block start) at the forward's and the
     backward's blocks of D = 128 on a GPU, and the answer does not depend on the token count
     (no recompile)."""
-    monkeypatch.setattr(launch_rules, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch_rules, "dram_bandwidth_per_sm", lambda device: 37e9)
-    monkeypatch.setattr(launch_rules, "programmatic_dependent_launch", lambda device: True)
     gpu = torch.device("cuda", 0)
-    blocks = {launch_rules.forward_launch.__wrapped__(128, gpu).bt,
-              launch_rules.backward_launch.__wrapped__(128, gpu).bt}
+    with h200_device_rules():
+        blocks = {launch_rules.forward_launch(128, gpu).bt,
+                  launch_rules.backward_launch(128, gpu).bt}
     assert len(blocks) == 2
     for seq in (1, 7, 4096, 4099):
         for batch in (1, 2):

@@ -11,25 +11,18 @@ import torch
 import triton
 
 import core.fusions.gated_norm_launch as launch
+from core.testing.h200 import H200_DRAM_BANDWIDTH_PER_SM, H200_SMS, h200_device_rules
 
 GPU = torch.device("cuda", 0)
-H200_SMS = 132
-# Peak DRAM bandwidth per SM, bytes/s: two transfers per memory clock over the bus, over 132 SMs,
-# from what torch reports on each GPU (H200: 3201 MHz, 6016 bits; H100 SXM: 2619 MHz, 5120 bits).
-H200_BANDWIDTH_PER_SM = 2 * 3_201_000e3 * 6016 / 8 / H200_SMS
+# An H100 SXM's peak DRAM bandwidth per SM, bytes/s, as core.testing.h200 gives an H200's: two
+# transfers per memory clock over the bus, over its 132 SMs (torch reports 2619 MHz, 5120 bits).
 H100_BANDWIDTH_PER_SM = 2 * 2_619_000e3 * 5120 / 8 / H200_SMS
 
 
 @pytest.fixture
-def h200(monkeypatch):
-    monkeypatch.setattr(launch, "sm_count", lambda device: H200_SMS)
-    monkeypatch.setattr(launch, "dram_bandwidth_per_sm", lambda device: H200_BANDWIDTH_PER_SM)
-    monkeypatch.setattr(launch, "programmatic_dependent_launch", lambda device: True)  # sm_90
-    launch.forward_launch.cache_clear()
-    launch.backward_launch.cache_clear()
-    yield
-    launch.forward_launch.cache_clear()  # forget the stand-in SM count
-    launch.backward_launch.cache_clear()
+def h200():
+    with h200_device_rules():
+        yield
 
 
 def test_h200_parameters(h200):
@@ -82,11 +75,11 @@ def test_dram_bandwidth_per_sm_from_the_device_properties(monkeypatch):
         multi_processor_count = 132
 
     for props, want in ((H100Properties, H100_BANDWIDTH_PER_SM),
-                        (H200Properties, H200_BANDWIDTH_PER_SM), (Unreported, None)):
+                        (H200Properties, H200_DRAM_BANDWIDTH_PER_SM), (Unreported, None)):
         launch.dram_bandwidth_per_sm.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
         assert launch.dram_bandwidth_per_sm(GPU) == want
-    assert 25e9 < H100_BANDWIDTH_PER_SM < launch.LOW_BANDWIDTH_PER_SM < H200_BANDWIDTH_PER_SM
+    assert 25e9 < H100_BANDWIDTH_PER_SM < launch.LOW_BANDWIDTH_PER_SM < H200_DRAM_BANDWIDTH_PER_SM
     launch.dram_bandwidth_per_sm.cache_clear()
 
 

@@ -10,8 +10,8 @@ call captured in a CUDA graph and replayed) and eagerly (do_bench after its L2 f
 the host's launch work behind the flush: GPU-dominated, not a host cost), and reported
 as us, GB/s and % of the copy ceiling measured at the start of the same run, next to a plain
 kernel moving the same bytes in the same harness into outputs it allocates per call, as every
-implementation does (``same_bytes_copy``). Also: the inference
-entry against FLA's forward, and the host cost of one call (tools/host_cost.py).
+implementation does (``same_bytes_copy``). Also: the inference entry against FLA's forward, and
+the host cost of one call (tools/host_cost.py).
 Correctness (parity, CUDA graphs, torch.compile, compile count) is tested by
 ``python -m pytest -m gpu tests``.
 """

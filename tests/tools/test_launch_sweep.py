@@ -57,7 +57,8 @@ def test_sweep_times_the_forwards_parts_in_turn(monkeypatch):
     by_part = {name: results[i::len(names)] for i, name in enumerate(names)}
     forwards = [out for name in names[:2] for out, _ in by_part[name]]
     assert all(torch.equal(out, forwards[0]) for out in forwards)
-    for name, distinct in (("same_bytes_copy_us", 1), ("same_bytes_copy_new_outputs_us", ALTERNATIONS)):
+    for name, distinct in (("same_bytes_copy_us", 1),
+                           ("same_bytes_copy_new_outputs_us", ALTERNATIONS)):
         written = by_part[name]
         assert all(copied is None and summed.numel() == x.numel() for summed, copied in written)
         assert len({id(summed) for summed, _ in written}) == distinct
@@ -89,7 +90,8 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
                             sums.append(tensors[1].clone())))
     medians = launch_sweep.backward_parts(x, g, w, rstd, dy)
     names = ("row_kernel_us", "row_kernel_then_empty_us", "row_kernel_then_dw_sum_us",
-             "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us", "same_bytes_copy_new_outputs_us")
+             "dw_sum_us", "torch_dw_sum_us", "same_bytes_copy_us",
+             "same_bytes_copy_new_outputs_us")
     assert tuple(medians) == names
     assert len(order) == ALTERNATIONS * len(names)
     middle = ALTERNATIONS // 2  # the median alternation: part i ran at position middle * 7 + i + 1

@@ -132,14 +132,22 @@ def forward_parts(x, g, w) -> dict:
     (``same_bytes_copy``) into a buffer allocated once and into one allocated per call; medians
     of the four timed in turn."""
     out = torch.empty_like(x)
-    copy = same_bytes_tensors(x.shape, x.device)
     return medians_in_turn({
         "forward_us": lambda: fgn.forward_impl(x, g, w, EPS),
         "forward_one_output_us": lambda: fgn.forward_impl(x, g, w, EPS, out=out),
-        "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=False),
-        "same_bytes_copy_new_outputs_us": lambda: same_bytes_copy(copy, backward=False,
-                                                                  new_outputs=True),
+        **same_bytes_copy_parts(x, backward=False),
     })
+
+
+def same_bytes_copy_parts(x, backward: bool) -> dict:
+    """The kernel that moves the bytes of a phase at ``x``'s size (``same_bytes_copy``), into
+    buffers allocated once and into outputs allocated per call, as parts to time."""
+    copy = same_bytes_tensors(x.shape, x.device)
+    return {
+        "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward),
+        "same_bytes_copy_new_outputs_us": lambda: same_bytes_copy(copy, backward,
+                                                                  new_outputs=True),
+    }
 
 
 @triton.jit
@@ -164,7 +172,6 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
     dweight = torch.empty_like(w)
     row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
-    copy = same_bytes_tensors(x.shape, x.device)
 
     def row():
         fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)
@@ -180,9 +187,7 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
         "row_kernel_then_dw_sum_us": lambda: (row(), dw_sum()),
         "dw_sum_us": dw_sum,
         "torch_dw_sum_us": lambda: partial.sum(0).to(w.dtype),
-        "same_bytes_copy_us": lambda: same_bytes_copy(copy, backward=True),
-        "same_bytes_copy_new_outputs_us": lambda: same_bytes_copy(copy, backward=True,
-                                                                  new_outputs=True),
+        **same_bytes_copy_parts(x, backward=True),
     })
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Pretrain a small Gated DeltaNet hybrid GPT with megatron's own training loop
-(``megatron.training.pretrain``), the fused GDN output norm switched by ``--fused-gated-norm``.
+(``megatron.training.pretrain``), the fused GDN output norm switched by ``--fused-gated-norm``
+(or megatron main's name of it, ``--gdn-gated-output-norm-fusion``).
 
     python examples/data/build_indexed.py --output-prefix runs/data/stdlib_docstrings
     torchrun --nproc-per-node 2 examples/pretrain_gdn_megatron.py \\
@@ -15,12 +16,12 @@ Everything is megatron's except three functions, written as megatron 0.19's pret
 and pretrain_hybrid.py write them: the model is a ``GPTModelConfig`` (megatron's
 ``gpt_config_from_args``) whose transformer config is
 ``core.training.transformer_config_from_args(args)`` and whose layer spec is megatron's GDN block
-spec passed through ``core.models.gdn_specs.use_fused_gdn`` (:func:`gdn_block_spec`;
-``--spec MODULE NAME``, megatron's option, passes that spec through it instead), or, with
+spec with our GDN class (:func:`gdn_block_spec`; ``--spec MODULE NAME``, megatron's option,
+passes that spec through ``core.models.use_fused_gdn`` with the flag's setting instead), or, with
 ``--hybrid-layer-pattern`` (its 'G' layers are the GDN; multi-token prediction after '/'),
 a ``HybridModelConfig`` (``hybrid_config_from_args``) with megatron's hybrid stack spec through
 ``use_fused_gdn`` (:func:`gdn_hybrid_stack_spec`); a post-wrap hook runs ``assert_fused_gdn`` on
-the built model;
+the built model (every GDN layer fused with the flag, every one ours without it);
 :func:`forward_step` (megatron's TP broadcast of the batch to the first and last pipeline
 stage and to a stage with MTP layers, its split over context-parallel ranks, masked token
 loss) and
@@ -32,7 +33,8 @@ schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) a
 pretrain_hybrid.py do: megatron's TransformerConfig (which has no fusion field) and the
 ``--spec`` as given, so that the spec switches the fusion
 (``--spec core.models.fused_gdn_specs gpt_block_spec``, or ``hybrid_stack_spec`` with
-``--hybrid-layer-pattern``); it refuses ``--fused-gated-norm``.
+``--hybrid-layer-pattern``); it refuses ``--fused-gated-norm`` and
+``--gdn-gated-output-norm-fusion``, and the model must run the fusion.
 
 ``--gdn-metrics-out FILE`` also writes, from the last rank, one JSON record per training
 iteration: the exact loss of the iteration's whole batch (the sum of masked token losses over
@@ -47,9 +49,12 @@ Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cp
 ``--use-cpu-initialization``, which it asks for before training: the flags of
 examples/run_megatron_pairs.py's CPU runs); docs/internals.md lists where megatron's loop
 needs the shims. megatron's hybrid stack is made of Transformer Engine modules: the CPU run
-builds it with ``core.testing.specs.te_to_local``'s megatron-core stand-ins.
+builds it with ``core.models.te_to_local``'s megatron-core stand-ins.
 """
 
+import dataclasses
+import importlib
+import inspect
 import json
 import os
 import sys
@@ -118,6 +123,7 @@ from core.training import (  # noqa: E402
     transformer_config_from_args,
     use_prebuilt_dataset_helpers,
 )
+from core.transformer import gated_output_norm_fusion  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Command line: megatron's, plus the fusion flags and this launcher's metrics file
@@ -145,15 +151,17 @@ def check_launcher_scope(args) -> None:
     for that variant), or a HybridModel whose pattern has 'G' layers (MTP included), which
     megatron builds from Transformer Engine modules; the TE implementation only where TE is
     installed."""
+    check_spec_name(args.spec)
     if args.megatron_transformer_config:
         if args.spec is None:
             raise ValueError("--megatron-transformer-config: megatron's TransformerConfig has no "
                              "fusion field, so the spec switches the fusion: pass --spec, e.g. "
                              "--spec core.models.fused_gdn_specs gpt_block_spec")
         zero_centered = args.gdn_out_norm_zero_centered_gamma is not None
-        ignored = [flag for flag, given in (("--fused-gated-norm", args.fused_gated_norm),
-                                            ("--gdn-out-norm-zero-centered-gamma", zero_centered))
-                   if given]
+        ignored = [flag for flag, given in (
+            ("--fused-gated-norm", args.fused_gated_norm),
+            ("--gdn-gated-output-norm-fusion", getattr(args, "gdn_gated_output_norm_fusion", None)),
+            ("--gdn-out-norm-zero-centered-gamma", zero_centered)) if given]
         if ignored:
             raise ValueError(f"--megatron-transformer-config: megatron's TransformerConfig has "
                              f"no field for {', '.join(ignored)}; the spec switches the fusion")
@@ -195,6 +203,38 @@ def check_launcher_scope(args) -> None:
                          "Transformer Engine, which is not installed: pass --transformer-impl local")
 
 
+def check_spec_name(spec) -> None:
+    """``--spec MODULE NAME`` must name an attribute of MODULE. megatron reads it as
+    ``vars(module)[NAME]``, whose bare KeyError names neither, so a mistyped NAME is refused here
+    with the names MODULE offers: a module's own answer where it has one
+    (``core.models.fused_gdn_specs`` lists its specs), else the spec objects and functions it
+    defines. A MODULE that does not import is left to megatron, which logs why
+    (:func:`model_config_from_args` then refuses the missing spec)."""
+    if spec is None:
+        return
+    if len(spec) != 2:
+        raise ValueError(f"--spec takes MODULE NAME, got {len(spec)} value(s): {' '.join(spec)}")
+    module_path, name = spec
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError:
+        return
+    if name in vars(module):
+        return
+    if "__getattr__" in vars(module):
+        try:
+            getattr(module, name)
+        except AttributeError as error:
+            raise ValueError(f"--spec {module_path} {name}: {error}") from None
+    defined = sorted(
+        key for key, value in vars(module).items() if not key.startswith("_") and (
+            (dataclasses.is_dataclass(value) and not isinstance(value, type))
+            or isinstance(value, partial)
+            or (inspect.isfunction(value) and value.__module__ == module.__name__)))
+    raise ValueError(f"--spec {module_path} {name}: {module_path} has no attribute {name!r}; "
+                     f"its specs and functions are: {', '.join(defined)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Model: megatron's GPTModelConfig or HybridModelConfig, its spec passed through use_fused_gdn
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +243,7 @@ def check_launcher_scope(args) -> None:
 def gdn_block_spec(model_config, vp_stage=None):
     """The layer spec of the GDN hybrid GPT, with our GatedDeltaNet
     (``core.models.get_gdn_hybrid_block_spec``). ``--transformer-impl transformer_engine``:
-    ``use_fused_gdn`` of megatron's own spec of the gated_delta_net attention variant. ``local``
+    megatron's own spec of the gated_delta_net attention variant, our class in it. ``local``
     (no Transformer Engine): megatron has no GDN spec without TE (its GDN in_proj is TE's
     norm-fused linear), so the same layer pattern is built from megatron's local modules."""
     config = model_config.transformer
@@ -214,10 +254,12 @@ def gdn_block_spec(model_config, vp_stage=None):
 _GDN_LAYERS: dict = {}  # filled by check_fused_gdn, written to --gdn-metrics-out
 
 
-def check_fused_gdn(model_chunks):
-    """megatron post-wrap hook: refuse a model whose GDN layers would ignore the flag; count
-    the GDN layers (ours, and with the fused path on) for --gdn-metrics-out."""
-    assert_fused_gdn(model_chunks)
+def check_fused_gdn(model_chunks, gated_output_norm: bool = True):
+    """megatron post-wrap hook: refuse a model whose GDN layers do not run the fused output norm
+    as asked (``gated_output_norm``: whether the run asks for it) or would ignore the flag;
+    count the GDN layers (ours, and with the fused path on) for --gdn-metrics-out."""
+    assert_fused_gdn(model_chunks, gated_output_norm=gated_output_norm)
+    _GDN_LAYERS["gated_output_norm"] = gated_output_norm
     layers = [m for chunk in model_chunks for m in chunk.modules()
               if isinstance(m, GatedDeltaNet)]
     counts = torch.tensor([len(layers), sum(m.fused_gated_norm for m in layers)],
@@ -230,18 +272,20 @@ def check_fused_gdn(model_chunks):
     return model_chunks
 
 
-def gdn_hybrid_stack_spec(spec=None):
+def gdn_hybrid_stack_spec(spec=None, gated_output_norm: bool = True):
     """``use_fused_gdn`` of ``spec`` (``--spec``) or megatron's ``hybrid_stack_spec``: its 'G'
-    layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths."""
-    return use_fused_gdn(te_stand_ins(hybrid_stack_spec if spec is None else spec))
+    layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths, the
+    fused output norm on or off as ``gated_output_norm`` says."""
+    return use_fused_gdn(te_stand_ins(hybrid_stack_spec if spec is None else spec),
+                         gated_output_norm=gated_output_norm)
 
 
 def te_stand_ins(spec):
     """``spec`` on a GPU; on the CPU its TE modules swapped for megatron-core's
-    (``core.testing.specs.te_to_local``): megatron's hybrid stack is made of TE modules."""
+    (``core.models.te_to_local``): megatron's hybrid stack is made of TE modules."""
     if HAS_CUDA:
         return spec
-    from core.testing.specs import te_to_local
+    from core.models import te_to_local
 
     return te_to_local(spec)
 
@@ -255,6 +299,9 @@ def model_config_from_args(args):
     as it is (the CPU run's TE stand-ins aside)."""
     stock = args.megatron_transformer_config
     config = None if stock else transformer_config_from_args(args)
+    # Our config: its flag decides, and every spec follows it. megatron's: the spec switches the
+    # fusion, and the model must run it.
+    fused = True if stock else bool(gated_output_norm_fusion(config))
     hybrid = args.hybrid_layer_pattern is not None
     model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=config)
     spec_field = "hybrid_stack_spec" if hybrid else "transformer_layer_spec"
@@ -264,11 +311,11 @@ def model_config_from_args(args):
     if stock:
         spec = te_stand_ins(spec) if hybrid else spec
     elif hybrid:
-        spec = gdn_hybrid_stack_spec(spec)
+        spec = gdn_hybrid_stack_spec(spec, gated_output_norm=fused)
     else:
-        spec = gdn_block_spec if spec is None else use_fused_gdn(spec)
+        spec = gdn_block_spec if spec is None else use_fused_gdn(spec, gated_output_norm=fused)
     setattr(model_config, spec_field, spec)
-    model_config.post_wrap_hooks.append(check_fused_gdn)
+    model_config.post_wrap_hooks.append(partial(check_fused_gdn, gated_output_norm=fused))
     return model_config
 
 
@@ -417,7 +464,7 @@ def write_metrics(path: str) -> None:
         previous = it["start"]
     args = get_args()
     summary = {
-        "fused_gated_norm": args.fused_gated_norm,
+        "fused_gated_norm": _GDN_LAYERS.get("gated_output_norm"),
         "megatron_transformer_config": args.megatron_transformer_config,
         "transformer_config_class": _GDN_LAYERS.get("config_class"),
         "tensor_model_parallel_size": args.tensor_model_parallel_size,

@@ -15,6 +15,10 @@ what the config's flag would check (RMSNorm, a silu or sigmoid gate, eps).
 With this package's TransformerConfig (``core.training.transformer_config_from_args``, the
 ``--fused-gated-norm`` flag) the config switches the fusion; these specs then need the flag on
 too (a disagreement raises at construction).
+
+Any other name asked of this module raises an AttributeError that lists :data:`SPEC_NAMES`.
+megatron's ``--spec`` reads ``vars(module)[name]``, which bypasses that and raises a bare
+KeyError; this package's launchers check the name first (examples/pretrain_gdn_megatron.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from megatron.core.models.hybrid.hybrid_layer_specs import (
 
 from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
 
+# What megatron's --spec may name in this module.
+SPEC_NAMES = ("gpt_block_spec", "hybrid_stack_spec")
+__all__ = [*SPEC_NAMES, "SPEC_NAMES"]
+
 
 def gpt_block_spec(config, vp_stage: Optional[int] = None):
     """The layer specs of a GPTModel of the ``gated_delta_net`` attention variant
@@ -36,10 +44,17 @@ def gpt_block_spec(config, vp_stage: Optional[int] = None):
     calls a spec function with) or a TransformerConfig; ``vp_stage``: the virtual pipeline
     stage megatron builds."""
     transformer_config = getattr(config, "transformer", config)
-    return use_fused_gdn(get_gdn_hybrid_block_spec(transformer_config, vp_stage=vp_stage),
-                         fused_gated_norm=True)
+    return use_fused_gdn(get_gdn_hybrid_block_spec(transformer_config, vp_stage=vp_stage))
 
 
 # megatron's hybrid stack (Transformer Engine modules), its 'G' layers fused, in the decoder and
 # in multi-token prediction depths. A spec object, as megatron's --spec takes for HybridModel.
-hybrid_stack_spec = use_fused_gdn(_megatron_hybrid_stack_spec, fused_gated_norm=True)
+hybrid_stack_spec = use_fused_gdn(_megatron_hybrid_stack_spec)
+
+
+def __getattr__(name: str):
+    """Module attributes not defined above: a mistyped spec name is told the valid ones."""
+    if name.startswith("__"):  # import machinery and tools probe for dunder names
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no spec {name!r}; its specs are: "
+                         f"{', '.join(SPEC_NAMES)}")

@@ -34,7 +34,7 @@ Layer level (``install_cpu_shims()``), all idempotent:
     ``TENorm`` whatever its spec says, and ``SelfAttention`` its q/k norms where the spec
     leaves them unset (:data:`TE_NORM_FALLBACK_MODULES`): that name becomes
     :class:`~core.transformer.rms_norm.LocalNorm`, the config's norm from megatron-core
-    modules, so a HybridModel built from :func:`core.testing.specs.te_to_local`'s spec trains.
+    modules, so a HybridModel built from :func:`core.models.te_to_local`'s spec trains.
   * ``torch.cpu.device(index)``, a null context: fla-core 0.4 (what a ``megatron-core[dev]``
     install picks) enters it on a host without CUDA, and torch has no such function (fla-core
     0.6 uses a null context there itself).
@@ -426,7 +426,8 @@ def install_cpu_training_shims() -> None:
             mod.torch = proxy
     gdn_common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn_common.l2norm = torch_l2norm  # the CPU speed stand-in (module docstring)
-    torch_fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
+    torch_fsdp2 = importlib.import_module(
+        "megatron.core.distributed.torch_fully_sharded_data_parallel")
     if getattr(torch_fsdp2, "HAVE_FSDP", False):
         torch_fsdp2.DeviceMesh = _CpuDeviceMesh
     token_dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
@@ -621,7 +622,8 @@ def init_cpu_model_parallel(
     if not torch.distributed.is_initialized():
         if init_file is None:
             if world_size != 1:
-                raise ValueError("init_cpu_model_parallel: init_file is required with world_size > 1")
+                raise ValueError(
+                    "init_cpu_model_parallel: init_file is required with world_size > 1")
             fd, init_file = tempfile.mkstemp(prefix="gloo_rdv_")
             os.close(fd)
             os.unlink(init_file)

@@ -32,7 +32,8 @@ def fla_gdn_backward_unavailable() -> str:
     hopper = torch.cuda.get_device_capability()[0] == 9
     version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
     if hopper and version < (3, 7, 1):
-        return f"FLA 0.6's GDN backward needs triton >= 3.7.1 on Hopper (installed: {triton.__version__})"
+        return ("FLA 0.6's GDN backward needs triton >= 3.7.1 on Hopper "
+                f"(installed: {triton.__version__})")
     return ""
 
 
@@ -43,7 +44,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fina
     ``deterministic_mode`` path, builds its initial state on the host). For the CUDA-graph tests,
     where the rule itself is not under test. [B, T, H, D] inputs, fp32 state; per token:
     ``S = exp(g) S;  S += k (beta (v - k^T S))^T;  o = (q / sqrt(Dk))^T S``."""
-    if initial_state is not None or output_final_state or use_qk_l2norm_in_kernel or cu_seqlens is not None:
+    if (initial_state is not None or output_final_state or use_qk_l2norm_in_kernel
+            or cu_seqlens is not None):
         raise NotImplementedError("recurrent_gated_delta_rule: megatron's training forward only")
     dtype = v.dtype
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
@@ -191,7 +193,8 @@ def build_gdn_module(config, use_te: Optional[bool] = False, seed: Optional[int]
 
     _reseed(seed)
     return build_module(
-        get_gdn_module_spec(use_te, config), config=config, layer_number=1, pg_collection=_pg_collection()
+        get_gdn_module_spec(use_te, config), config=config, layer_number=1,
+        pg_collection=_pg_collection()
     )
 
 

@@ -71,7 +71,8 @@ def make_reference(path: str) -> dict:
     module = build_layer(fused=True, tp_size=1, seed=11)
     randomize_norm_weights(module)
     state = state_of(module)
-    x = torch.randn(SEQ, BATCH, module.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(SEQ, BATCH, module.config.hidden_size,
+                    generator=torch.Generator().manual_seed(4))
     unfused = build_layer(fused=False, tp_size=1, seed=12)
     unfused.load_state_dict(state)
     ref = dict(state=state, x=x, out_fused=output_of(module, x), out_unfused=output_of(unfused, x))

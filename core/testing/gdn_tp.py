@@ -15,9 +15,9 @@ loads its shard, runs the same step with sequence parallelism on or off and save
 the out_norm ``main_grad`` before and after finalize, the layer output.
 
 Used by tests/ssm/test_gdn_tensor_parallel.py (gloo, CPU, TP = 2 and 4 spawned processes) and by
-tools/gdn_layer.py --tp N and tests/ssm/test_gated_delta_net_gpu.py (NCCL under torchrun). On the CPU, megatron's DDP needs the
-training-level shims of ``core.testing.cpu`` (``install_cpu_shims(training=True)``): its grad
-buffer waits on CUDA streams.
+tools/gdn_layer.py --tp N and tests/ssm/test_gated_delta_net_gpu.py (NCCL under torchrun). On
+the CPU, megatron's DDP needs the training-level shims of ``core.testing.cpu``
+(``install_cpu_shims(training=True)``): its grad buffer waits on CUDA streams.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def out_norm_weight_report(weight: torch.nn.Parameter) -> dict:
         attrs={k: (type(v).__name__, v if isinstance(v, (bool, int, float, str)) else None)
                for k, v in vars(weight).items()},
         load_error=load_error, loaded_equal=loaded_equal,
-        loaded_attrs={k: v for k, v in loaded_attrs.items() if isinstance(v, (bool, int, float, str))},
+        loaded_attrs={k: v for k, v in loaded_attrs.items()
+                      if isinstance(v, (bool, int, float, str))},
     )
 
 

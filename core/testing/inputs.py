@@ -17,7 +17,8 @@ def make_grad_inputs(shape, variant="plain", dtype=torch.bfloat16, seed=0, devic
     gate is the second half of a packed [B, S, 2 * H * D] projection (read in place by the
     kernels), and that projection is the leaf. Returns (x, gate, weight, dy, leaves)."""
     if variant not in ("plain", "strided_gate"):
-        raise ValueError(f"make_grad_inputs: variant must be 'plain' or 'strided_gate', got {variant!r}")
+        raise ValueError("make_grad_inputs: variant must be 'plain' or 'strided_gate', "
+                         f"got {variant!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
     batch, seq, heads, dim = shape

@@ -13,7 +13,7 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
     for expert parallelism (``Layout.ep``; experts split over ``Layout.etp`` ranks; tokens
     sent to them by megatron's all-to-all or all-gather dispatcher, ``Layout.token_dispatcher``);
   * ``"hybrid"``: a ``HybridModel`` over ``use_fused_gdn`` of megatron's hybrid stack spec, its
-    TE modules replaced by megatron-core's (``core.testing.specs.te_to_local``), with the
+    TE modules replaced by megatron-core's (``core.models.te_to_local``), with the
     pattern :data:`HYBRID_PATTERN`: GDN layers in the decoder and in a multi-token prediction
     depth (over pipeline stages: the decoder split at '|' into PP x VP equal segments,
     :func:`hybrid_pattern`; the MTP depth on the last).
@@ -36,9 +36,9 @@ parameters on every rank holding the same shard; every rank holding a replicated
 as the GDN out_norm weight holds the same bits).
 
 Loss: megatron's legacy ``(loss, report)`` form, ``sum(output * weight)`` for the GDN module
-(a fixed random ``weight``), the summed per-token cross entropy for the GPT and hybrid models. The schedule
-multiplies it by the CP size and divides by the micro-batch count, DDP averages over DP x CP:
-a rank's expected gradient is the reference gradient / DP (:func:`run_case`).
+(a fixed random ``weight``), the summed per-token cross entropy for the GPT and hybrid models.
+The schedule multiplies it by the CP size and divides by the micro-batch count, DDP averages
+over DP x CP: a rank's expected gradient is the reference gradient / DP (:func:`run_case`).
 
 Data layouts: sbhd [S, B, H] for the GDN module (DP splits B; CP takes megatron's load-balanced
 chunks, ``get_batch_on_this_cp_rank``; sequence parallelism splits S over TP), packed THD
@@ -154,8 +154,8 @@ class Layout:
                              f"and DP dividing their {BATCH} micro-batches")
         if (self.ep > 1 or self.etp > 1) and (self.model != "gpt-moe"
                                               or (self.tp * self.dp) % (self.ep * self.etp)):
-            raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and ep x etp "
-                             "dividing tp x dp")
+            raise ValueError(f"Layout {self.name}: ep or etp > 1 needs model='gpt-moe' and "
+                             "ep x etp dividing tp x dp")
         if self.token_dispatcher not in TOKEN_DISPATCHERS:
             raise ValueError(f"Layout {self.name}: token_dispatcher must be one of "
                              f"{TOKEN_DISPATCHERS}, got {self.token_dispatcher!r}")
@@ -348,9 +348,8 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.enums import ModelType
 
-    from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
+    from core.models import get_gdn_hybrid_block_spec, te_to_local, use_fused_gdn
     from core.testing.gdn import _reseed, build_gdn_module
-    from core.testing.specs import te_to_local
 
     if layout.single_gdn:
         module = build_gdn_module(config, seed=seed)
@@ -364,7 +363,9 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage)
     if layout.model == "hybrid":
-        return HybridModel(config, use_fused_gdn(te_to_local(hybrid_stack_spec)), vocab_size=VOCAB,
+        spec = use_fused_gdn(te_to_local(hybrid_stack_spec),
+                             gated_output_norm=config.fused_gated_norm)
+        return HybridModel(config, spec, vocab_size=VOCAB,
                            max_sequence_length=SEQ, hybrid_layer_pattern=hybrid_pattern(layout),
                            **stage)
     return GPTModel(
@@ -556,8 +557,8 @@ def local_batches(layout: Layout, data: dict, coords: dict, device) -> list:
     if layout.sequence_parallel:
         hidden = hidden.chunk(layout.tp, dim=0)[coords["tp"]]
         weight = weight.chunk(layout.tp, dim=0)[coords["tp"]]
-    return [dict(hidden=h.contiguous().to(device, layout.dtype), loss_weight=w.contiguous().to(device),
-                 packed_seq_params=packed)
+    return [dict(hidden=h.contiguous().to(device, layout.dtype),
+                 loss_weight=w.contiguous().to(device), packed_seq_params=packed)
             for h, w in zip(hidden.chunk(layout.micro_batches, dim=1),
                             weight.chunk(layout.micro_batches, dim=1))]
 
@@ -760,7 +761,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         config.no_sync_func = [chunk.no_sync for chunk in wrapped]
         config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
         if len(wrapped) == 1:
-            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+            config.no_sync_func = config.no_sync_func[0]
+            config.grad_sync_func = config.grad_sync_func[0]
     batches = local_batches(layout, reference["data"], coords, device)
 
     def each_parameter():  # (global name, parameter, local shape) of every chunk

@@ -296,6 +296,16 @@ REFUSALS = [
      "is not installed"),
     ("spec_that_does_not_import", ("--spec", "no.such.module", "nothing"), (),
      "--spec no.such.module nothing: megatron could not import it"),
+    ("spec_name_mistyped", ("--spec", "core.models.fused_gdn_specs", "gpt_block_specc"), (),
+     "--spec core.models.fused_gdn_specs gpt_block_specc: module 'core.models.fused_gdn_specs' "
+     "has no spec 'gpt_block_specc'; its specs are: gpt_block_spec, hybrid_stack_spec"),
+    ("spec_name_not_in_the_module",
+     ("--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_specc"), (),
+     "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_specc: "
+     "megatron.core.models.hybrid.hybrid_layer_specs has no attribute 'hybrid_stack_specc'; its "
+     "specs and functions are: hybrid_inference_stack_spec, hybrid_stack_spec, "),
+    ("spec_without_a_name", ("--spec", "core.models.fused_gdn_specs"), (),
+     "--spec takes MODULE NAME, got 1 value(s): core.models.fused_gdn_specs"),
     ("mtp", ("--mtp-num-layers", "1"), (),
      "--mtp-num-layers: megatron.training 0.19's GPTModelConfig builds the MTP block from "
      "get_gpt_decoder_layer_specs"),

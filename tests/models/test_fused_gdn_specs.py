@@ -1,7 +1,7 @@
 """core.models.fused_gdn_specs, the specs for megatron's ``--spec`` that switch the fusion on by
 themselves: with megatron's own TransformerConfig (no fusion field, as megatron's pretrain
 scripts build it) every GDN layer is ours and fused, and the models train as the unfused ones;
-the layer's construction-time rules apply; a config with the field must agree."""
+the layer's construction-time rules apply; a config that sets the switch must agree."""
 
 import pytest
 import torch
@@ -14,11 +14,10 @@ from megatron.core.transformer.transformer_config import (
     TransformerConfig as MegatronTransformerConfig,
 )
 
-from core.models import fused_gdn_specs
+from core.models import fused_gdn_specs, te_to_local
 from core.models.gdn_specs import get_gdn_hybrid_block_spec, use_fused_gdn
 from core.ssm import GatedDeltaNet
 from core.testing.gdn import gdn_config
-from core.testing.specs import te_to_local
 from tests.gated_norm_checks import assert_language_model_matches_unfused
 
 VOCAB, SEQ = 64, 16
@@ -79,7 +78,7 @@ def test_hybrid_stack_spec_fuses_every_g_layer_of_megatrons_config():
     layers = _gdn_layers(model)
     assert len(layers) == 3 and all(type(m) is GatedDeltaNet and m.fused_gated_norm
                                     for m in layers)
-    unfused = build(use_fused_gdn(hybrid_stack_spec))  # ours, without the param: off
+    unfused = build(use_fused_gdn(hybrid_stack_spec, gated_output_norm=False))
     assert assert_language_model_matches_unfused(model, unfused, VOCAB, SEQ, seed=5) == 3
 
 
@@ -93,15 +92,19 @@ def test_the_fused_norms_rules_apply_at_construction():
         _gpt(sigmoid, fused_gdn_specs.gpt_block_spec(sigmoid))
 
 
-def test_a_config_with_the_field_must_agree():
-    off = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"spec's param fused_gated_norm=True disagrees with "
-                                         r"TransformerConfig\.fused_gated_norm=False"):
+@pytest.mark.parametrize("name", ["fused_gated_norm", "gdn_gated_output_norm_fusion"])
+def test_a_config_that_sets_the_switch_must_agree(name):
+    """Our config: one that turns the fusion off (under either name) is refused; one that turns
+    it on, or leaves it unset, builds fused layers."""
+    sizes = dict(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32)
+    off = gdn_config(**sizes, **{name: False})
+    with pytest.raises(ValueError, match=r"spec's param fused_gated_norm=True .* disagrees with "
+                                         r"TransformerConfig, which turns the fused output norm "
+                                         r"off"):
         _gpt(off, fused_gdn_specs.gpt_block_spec(off))
-    on = gdn_config(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32,
-                    fused_gated_norm=True)
-    model = _gpt(on, fused_gdn_specs.gpt_block_spec(on))
-    assert all(m.fused_gated_norm for m in _gdn_layers(model))
+    for config in (gdn_config(**sizes, **{name: True}), gdn_config(**sizes)):
+        model = _gpt(config, fused_gdn_specs.gpt_block_spec(config))
+        assert [m.fused_gated_norm for m in _gdn_layers(model)] == [True]
 
 
 def test_megatrons_spec_option_finds_them():
@@ -113,3 +116,21 @@ def test_megatrons_spec_option_finds_them():
         fused_gdn_specs.gpt_block_spec
     assert import_module(("core.models.fused_gdn_specs", "hybrid_stack_spec")) is \
         fused_gdn_specs.hybrid_stack_spec
+    for name in fused_gdn_specs.SPEC_NAMES:  # what the module lists for a mistyped name
+        assert import_module(("core.models.fused_gdn_specs", name)) is \
+            getattr(fused_gdn_specs, name)
+
+
+def test_a_mistyped_spec_name_is_told_the_valid_ones():
+    """The module answers an unknown name with its spec names. megatron's --spec import
+    (``vars(module)[name]``) bypasses that and raises a bare KeyError: the launchers check the
+    name before megatron does (tests/examples/test_pretrain_gdn_megatron.py)."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    with pytest.raises(AttributeError, match=r"module 'core\.models\.fused_gdn_specs' has no spec "
+                                             r"'gpt_block_specc'; its specs are: gpt_block_spec, "
+                                             r"hybrid_stack_spec$"):
+        getattr(fused_gdn_specs, "gpt_block_specc")
+    assert not hasattr(fused_gdn_specs, "__wrapped__")  # tools probing dunder names get False
+    with pytest.raises(KeyError, match="^'gpt_block_specc'$"):
+        import_module(("core.models.fused_gdn_specs", "gpt_block_specc"))

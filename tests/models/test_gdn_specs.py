@@ -73,7 +73,7 @@ def _mixers(block_spec):
 def test_hybrid_block_pattern_follows_megatron_convention():
     spec = get_gdn_hybrid_block_spec(gdn_config(num_layers=8, linear_attention_freq=4))
     assert isinstance(spec, TransformerBlockSubmodules)
-    assert _mixers(spec) == ["GatedDeltaNet"] * 3 + ["SelfAttention"] + ["GatedDeltaNet"] * 3 + ["SelfAttention"]
+    assert _mixers(spec) == (["GatedDeltaNet"] * 3 + ["SelfAttention"]) * 2
     assert spec.layer_norm is LocalNorm
     listed = get_gdn_hybrid_block_spec(gdn_config(num_layers=3, linear_attention_freq=[0, 1, 1]))
     assert _mixers(listed) == ["SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
@@ -83,7 +83,8 @@ def test_hybrid_block_requires_gdn_config():
     from core.transformer import TransformerConfig
 
     with pytest.raises(ValueError, match="experimental_attention_variant='gated_delta_net'"):
-        get_gdn_hybrid_block_spec(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4))
+        get_gdn_hybrid_block_spec(
+            TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4))
 
 
 @pytest.mark.cpu_shims
@@ -94,7 +95,8 @@ def test_gpt_model_from_hybrid_spec_trains_with_flag():
                         fused_gated_norm=True)
     model = GPTModel(config, transformer_layer_spec=get_gdn_hybrid_block_spec(config),
                      vocab_size=64, max_sequence_length=16)
-    assert [type(l.self_attention).__name__ for l in model.decoder.layers] == ["GatedDeltaNet", "SelfAttention"]
+    assert [type(layer.self_attention).__name__ for layer in model.decoder.layers] == \
+        ["GatedDeltaNet", "SelfAttention"]
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(16).expand(2, 16)
     mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
@@ -152,8 +154,9 @@ def test_gpt_model_with_mtp_from_the_hybrid_block_matches_unfused():
 
 def test_use_te_is_a_bool_and_agrees_with_transformer_impl(monkeypatch):
     monkeypatch.setattr(gdn_specs, "HAVE_TE", True)  # auto must then follow transformer_impl
-    with pytest.raises(TypeError, match=r"gdn_specs: use_te must be None \(Transformer Engine when "
-                                        r"installed and transformer_impl asks for it\), True or False"):
+    with pytest.raises(TypeError, match=r"gdn_specs: use_te must be None \(Transformer Engine "
+                                        r"when installed and transformer_impl asks for it\), True "
+                                        r"or False"):
         get_gdn_module_spec(use_te="yes")
     local = gdn_config(transformer_impl="local")
     with pytest.raises(ValueError, match="use_te=True requires config.transformer_impl"):
@@ -167,8 +170,8 @@ def test_te_specs_are_megatrons_with_our_gdn(monkeypatch):
     from megatron.core.extensions import transformer_engine as te
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
 
-    from core.models import use_fused_gdn
-    from core.testing.specs import compare_gdn_swap, megatron_te_spec_builders
+    from core.models import megatron_te_spec_builders, use_fused_gdn
+    from core.testing.specs import compare_gdn_swap
 
     monkeypatch.setattr(gdn_specs, "HAVE_TE", True)
     config = gdn_config(num_layers=4, linear_attention_freq=2, num_moe_experts=2,
@@ -186,7 +189,11 @@ def test_te_specs_are_megatrons_with_our_gdn(monkeypatch):
     assert layer.submodules.self_attention.module is GatedDeltaNet
     assert layer.submodules.self_attention.submodules.in_proj is te.TELayerNormColumnParallelLinear
     assert layer.submodules.input_layernorm is IdentityOp  # fused into in_proj, as in megatron
-    assert use_fused_gdn(block) is block
+    mixer = block.layer_specs[0].submodules.self_attention
+    assert "fused_gated_norm" not in mixer.params  # the config decides
+    fused = use_fused_gdn(block)
+    assert fused.layer_specs[0].submodules.self_attention.params["fused_gated_norm"] is True
+    assert use_fused_gdn(fused) is fused
 
 
 @pytest.mark.parametrize("pipeline", [
@@ -201,7 +208,7 @@ def test_blocks_slice_the_pipeline_as_megatron_does(pipeline, monkeypatch):
     order make the pattern."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as mexp
 
-    from core.testing.specs import megatron_te_spec_builders
+    from core.models import megatron_te_spec_builders
 
     monkeypatch.setattr(gdn_specs, "HAVE_TE", True)  # the TE spec objects, built without TE
     pattern = [1, 1, 0, 1, 0, 0, 1, 0][:pipeline["num_layers"]]  # 1 = GDN

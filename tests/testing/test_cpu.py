@@ -169,7 +169,8 @@ FREEZES = r"""
 import atexit, gc, weakref
 made = []
 # registered before the shims' handler, so it runs after it (atexit runs handlers last-first)
-atexit.register(lambda: print("FROZEN_AT_EXIT", not any(obj is made[0] for obj in gc.get_objects())))
+atexit.register(lambda: print("FROZEN_AT_EXIT",
+                              not any(obj is made[0] for obj in gc.get_objects())))
 from core.testing.cpu import _collector_paused_then_frozen
 
 class Cycle:

@@ -48,7 +48,8 @@ def test_global_name_shifts_layers_and_experts():
     (dict(tp=2, ep=2, model="gpt-moe", token_dispatcher="flex"),
      r"token_dispatcher must be one of \('alltoall', 'allgather'\), got 'flex'"),
 ], ids=["ep-without-moe", "ep-not-dividing", "etp-not-dividing", "model", "gpt-dp",
-        "vp-without-pp", "vp-too-many", "hybrid-vp-too-many", "param-gather-without-overlap", "param-gather-one-step",
+        "vp-without-pp", "vp-too-many", "hybrid-vp-too-many", "param-gather-without-overlap",
+        "param-gather-one-step",
         "per-token-gpt", "no-steps", "module-pp", "hybrid-vp-without-pp", "hybrid-full-recompute",
         "dispatcher"])
 def test_layout_refuses_what_the_harness_cannot_run(changes, message):

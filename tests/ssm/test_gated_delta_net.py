@@ -1,6 +1,8 @@
 """core.ssm.GatedDeltaNet on the CPU (megatron's deterministic chunk rule, Triton interpreter):
 flag on vs off parity per the numerics contract, unchanged megatron behaviour with the flag off,
-zero-copy data flow, zero-centring override, and every validate_gated_norm rejection."""
+zero-copy data flow, zero-centring override, every rejection of the fused path's checks (the
+layer's own: gate activation, TP/CP head count, zero-centring; and validate_gated_norm's, which
+the layer calls through core.fusions.fused_gated_norm)."""
 
 import copy
 
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import core.ssm.gated_delta_net as gdn_mod
+from core.fusions import fused_gated_norm as fused_gated_norm_module
 from core.testing.gdn import (
     build_gdn_layer,
     bytes_kept_for_backward,
@@ -58,8 +61,9 @@ def bf16_runs(request):
     assert fused.self_attention.gate_activation == request.param
     x, dy = _inputs(torch.bfloat16)
     f32 = build_gdn_layer(gdn_config(params_dtype=torch.float32, fused_gated_norm=False, **act))
-    f32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                         for k, v in ref.state_dict().items()})
+    f32.load_state_dict({
+        k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in ref.state_dict().items()})
     return _run(ref, x, dy), _run(fused, x, dy), _run(f32, x.float(), dy.float())
 
 
@@ -187,7 +191,8 @@ def test_flag_keeps_no_more_activation_memory_in_deterministic_mode(recompute):
     extra = _norm_recompute(recompute)
     x, _ = _inputs(torch.bfloat16, seed=5)
     kept = {fused: _bytes_kept_for_backward(
-        build_gdn_module(gdn_config(fused_gated_norm=fused, **extra)), x) for fused in (False, True)}
+        build_gdn_module(gdn_config(fused_gated_norm=fused, **extra)), x)
+        for fused in (False, True)}
     if recompute:
         assert kept[True] == kept[False]
     else:
@@ -235,19 +240,21 @@ def test_flag_keeps_less_activation_memory_with_flas_conv(monkeypatch, recompute
 
 def test_fused_forward_checks_inputs_once(monkeypatch):
     """validate_gated_norm includes the kernel's input checks; the module must not repeat them."""
-    import core.fusions.fused_gated_norm as kernel_mod
-    import core.fusions.gated_norm_validation as validation
+    import sys
 
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     calls = []
-    real_check = validation.check_gated_norm_inputs
+    real_check = fused_gated_norm_module.check_gated_norm_inputs
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         calls.append(args)
-        return real_check(*args)
+        return real_check(*args, **kwargs)
 
-    for mod in (kernel_mod, validation):  # where either entry would look it up
-        monkeypatch.setattr(mod, "check_gated_norm_inputs", counting)
+    owners = [m for name, m in list(sys.modules.items())  # wherever an entry would look it up
+              if name.startswith("core.fusions") and hasattr(m, "check_gated_norm_inputs")]
+    assert fused_gated_norm_module in owners
+    for owner in owners:
+        monkeypatch.setattr(owner, "check_gated_norm_inputs", counting)
     module._apply_gated_norm(*_xg())
     assert len(calls) == 1
 
@@ -290,7 +297,8 @@ def test_zero_centered_override_loads_unshifted_weights():
 
 def test_layer_spec_zero_centered_override_keeps_input_norm_zero_centered():
     layer = build_gdn_layer(gdn_config(layernorm_zero_centered_gamma=True,
-                                       gdn_out_norm_zero_centered_gamma=False, fused_gated_norm=True))
+                                       gdn_out_norm_zero_centered_gamma=False,
+                                       fused_gated_norm=True))
     assert layer.input_layernorm.zero_centered_gamma is True
     assert layer.pre_mlp_layernorm.zero_centered_gamma is True
     assert layer.self_attention.out_norm.zero_centered_gamma is False
@@ -348,7 +356,8 @@ def test_validation_accepts_good_inputs(fused_module):
         (lambda m: (_with_config(m, layernorm_epsilon=1e-3), _xg()), ValueError,
          r"out_norm eps \(1e-05\) to equal config.layernorm_epsilon"),
         (lambda m: (m, _xg(heads=3)), ValueError, r"core_attn_out of shape \[batch, seq, 4, 16\]"),
-        (lambda m: (m, (_xg()[0], _xg(heads=2)[1])), ValueError, r"gate of shape \[batch, seq, 4, 16\]"),
+        (lambda m: (m, (_xg()[0], _xg(heads=2)[1])), ValueError,
+         r"gate of shape \[batch, seq, 4, 16\]"),
         (lambda m: (m, (_xg(torch.float64))), TypeError,
          "fused_gated_norm: core_attn_out dtype must be bf16, fp16 or fp32"),
         (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError,
@@ -357,8 +366,8 @@ def test_validation_accepts_good_inputs(fused_module):
          "fused_gated_norm: out_norm.weight dtype must be fp32 or core_attn_out's dtype"),
         (lambda m: (_with_norm_weight(m, torch.ones(32, dtype=torch.bfloat16)[::2]), _xg()),
          ValueError, "fused_gated_norm: out_norm.weight must be contiguous"),
-        (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])), ValueError,
-         "gate must have last-dim stride 1"),
+        (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])),
+         ValueError, "gate must have last-dim stride 1"),
         (lambda m: (m, (_xg()[0].to("meta"), _xg()[1].to("meta"))), ValueError,
          "fused_gated_norm: core_attn_out, gate and out_norm.weight must be on one device"),
     ],
@@ -386,6 +395,80 @@ def test_validation_rejects_norm_without_weight_or_wrong_shape(fused_module):
     module.out_norm = RMSNorm(fused_module.config, hidden_size=8, eps=1e-5)
     with pytest.raises(ValueError, match=r"out_norm.weight of shape \(16,\)"):
         module._apply_gated_norm(*_xg())
+
+
+def _as_tp_cp_rank(module, tp_size, cp_size):
+    """The module with the head split of a rank at ``tp_size`` x ``cp_size`` (a shallow copy: the
+    head count is all that changes)."""
+    rank = copy.copy(module)
+    rank.tp_size, rank.cp_size = tp_size, cp_size
+    rank.num_v_heads_local_tp = module.config.linear_num_value_heads // tp_size
+    rank.num_value_heads_local_tp_cp = rank.num_v_heads_local_tp // cp_size
+    return rank
+
+
+@pytest.mark.parametrize("tp_size, cp_size", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_layer_checks_the_local_head_count_of_its_tp_cp_rank(fused_module, tp_size, cp_size,
+                                                             monkeypatch):
+    """core_attn_out and gate carry the value heads left by TP and then CP's all-to-all; the
+    layer refuses any other count before the validator runs, naming the split."""
+    validated = []
+    monkeypatch.setattr(fused_gated_norm_module, "validate_gated_norm",
+                        lambda *args, **kwargs: validated.append(args))
+    rank = _as_tp_cp_rank(fused_module, tp_size, cp_size)
+    heads = 4 // tp_size // cp_size
+    assert rank._apply_gated_norm(*_xg(heads=heads)).shape == (2, 3, heads, 16)
+    assert len(validated) == 1
+    split = (rf"\({heads} local value heads: linear_num_value_heads 4 split over tp_size "
+             rf"{tp_size} and cp_size {cp_size}; linear_value_head_dim\)")
+    for x, gate, name in ((_xg()[0], _xg(heads=heads)[1], "core_attn_out"),
+                          (_xg(heads=heads)[0], _xg()[1], "gate")):
+        rule = rf"{name} of shape \[batch, seq, {heads}, 16\] {split}"
+        with pytest.raises(ValueError, match=rule):
+            rank._apply_gated_norm(x, gate)
+    with pytest.raises(ValueError, match=r"core_attn_out of shape .* got \(6, 4, 16\)"):
+        rank._apply_gated_norm(_xg()[0].flatten(0, 1), _xg()[1])
+    assert len(validated) == 1
+
+
+def test_layer_checks_out_norm_zero_centring_against_the_kernels(fused_module):
+    """out_norm centring its weight (zero_centered_gamma) where the kernel would not, or the other
+    way round, is refused on the forward: the two would apply different weights."""
+    fused_module._apply_gated_norm(*_xg())
+    fused_module.out_norm.zero_centered_gamma = True
+    with pytest.raises(ValueError, match=r"out_norm.zero_centered_gamma \(True\) to equal the "
+                                         r"module's out_norm_zero_centered \(False\)"):
+        fused_module._apply_gated_norm(*_xg())
+    fused_module.out_norm_zero_centered = True  # now the kernel centres it too
+    fused_module._apply_gated_norm(*_xg())
+    del fused_module.out_norm.zero_centered_gamma  # a norm that does not say: nothing to compare
+    fused_module._apply_gated_norm(*_xg())
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_layer_calls_the_validator_through_its_module(name, monkeypatch):
+    """The layer looks validate_gated_norm up on core.fusions.fused_gated_norm at every call
+    and names the gate activation it applies; a patched validator's refusal stops the fused
+    forward before any launch (the recompute tests count its calls through recomputation)."""
+    module = build_gdn_module(gdn_config(fused_gated_norm=True, activation_func=ACTIVATIONS[name]))
+    x, gate = _xg()
+    calls = []
+    monkeypatch.setattr(fused_gated_norm_module, "validate_gated_norm",
+                        lambda *args, **kwargs: calls.append((args, kwargs)))
+    module._apply_gated_norm(x, gate)
+    ((args, kwargs),) = calls
+    assert args[0] is module and args[1] is x and args[2] is gate
+    assert kwargs == {"gate_activation": name}
+    launches = []
+    monkeypatch.setattr(gdn_mod, "apply_validated_gated_norm", lambda *a, **k: launches.append(a))
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused by the patched validator")
+
+    monkeypatch.setattr(fused_gated_norm_module, "validate_gated_norm", refuse)
+    with pytest.raises(ValueError, match="refused by the patched validator"):
+        module._apply_gated_norm(x, gate)
+    assert launches == []
 
 
 def test_zero_centered_mismatch_between_norm_and_config_raises():

@@ -64,7 +64,8 @@ def test_norm_section_keeps_the_numerics_contract(parity):
 @requires_fla
 def test_whole_layer_is_as_accurate_as_unfused(parity):
     assert parity["out_bitwise_off_vs_off"] == 1.0  # flag off is repeatable
-    assert parity["worst_layer_err_ratio_well_sampled"] <= LAYER_ERR_SLACK, parity["rel_err_vs_fp32_layer"]
+    assert parity["worst_layer_err_ratio_well_sampled"] <= LAYER_ERR_SLACK, (
+        parity["rel_err_vs_fp32_layer"])
 
 
 @requires_fla_installed

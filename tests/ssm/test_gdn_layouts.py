@@ -4,7 +4,7 @@ sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer, to
 selective and full recompute, and what megatron's training loop adds around a step
 (micro-batches, overlapping grad reduce and param gather, per-token loss, fp16 loss scaling),
 flag on and off, against the same model at TP 1 / CP 1 / one stage / EP 1
-(core.testing.parallel; docs/tensor_parallel.md, section "Parallel layouts").
+(core.testing.parallel; docs/usage.md, section "Parallel layouts and features").
 
 Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
 equals the reference gradient (sharded like the parameter) within fp32 tolerance on every rank,
@@ -155,7 +155,8 @@ def reference(tmp_path_factory):
         return path, make_reference(path)
     import torch.multiprocessing as mp
 
-    with _spawned_processes_on_the_cpu():  # this process sees the GPU: compute it in one that does not
+    # this process sees the GPU: compute it in one that does not
+    with _spawned_processes_on_the_cpu():
         mp.spawn(reference_worker, nprocs=1, join=True,
                  args=(os.path.join(tmp, "rendezvous_reference"), path))
     return path, torch.load(path, weights_only=False)
@@ -203,7 +204,7 @@ def test_every_gradient_matches_reference(worlds, layout, fused):
     if layout.distributed_optimizer:
         assert all("owned" in record for record in records)
     assert grad_mismatches(records) == []
-    # the errors docs/tensor_parallel.md quotes (shown with -s)
+    # the largest gradient errors per layout (shown with -s)
     errors = grad_errors(records)
     decay = [e for n, e in errors.items() if n.rsplit(".", 1)[-1] in DECAY_PARAMS]
     print(f"\n{case_key(layout, fused)}: largest gradient error "

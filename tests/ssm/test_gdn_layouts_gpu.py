@@ -45,7 +45,8 @@ LAYOUTS = (
 # Packed sequences run FLA's kernels (megatron refuses them in deterministic_mode).
 FLA_UNAVAILABLE = fla_gdn_backward_unavailable()
 RUN_LAYOUTS = tuple(layout for layout in LAYOUTS if not (layout.packed and FLA_UNAVAILABLE))
-GPU_REFERENCE_CASES = (("gdn", "sbhd", True),) + ((("gdn", "thd", True),) if not FLA_UNAVAILABLE else ())
+GPU_REFERENCE_CASES = ((("gdn", "sbhd", True),)
+                       + ((("gdn", "thd", True),) if not FLA_UNAVAILABLE else ()))
 # GPU: cuBLAS / FLA pick kernels by shape, and the shapes differ between the TP 1 run and a rank
 # (fewer heads, other token counts): 10x the CPU tolerances. A missing or doubled reduction is
 # off by O(1).

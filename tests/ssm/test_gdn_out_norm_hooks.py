@@ -2,13 +2,13 @@
 GatedDeltaNet._apply_gated_norm: the fused one never calls out_norm, and the scaled unfused one
 swaps its weight slot. Megatron's DDP with ``overlap_param_gather`` waits for a parameter's
 all-gather in such a hook; skipping it would let the norm read a stale weight. The same holds
-for conv1d, whose weight megatron's forward reads without calling conv1d (flag on and off)."""
+for conv1d, whose weight megatron's forward reads without calling conv1d (flag on and off). The
+hook runners themselves are tested in test_module_hooks.py."""
 
 import pytest
 import torch
 
 from core.testing.cpu import cpu_tensor_types
-from core.ssm.gated_delta_net import run_forward_hooks, run_forward_pre_hooks
 from core.testing.gdn import build_gdn_module, gdn_config, set_out_norm_grad_scale
 from tests.gated_norm_inputs import make_inputs
 
@@ -22,64 +22,6 @@ def _inputs():
     return make_inputs((2, 3, 4, 16), seed=3)[:2]
 
 
-def test_hooks_run_in_order_with_the_arguments():
-    module = torch.nn.Linear(2, 2)
-    x = torch.randn(2)
-    seen = []
-    handles = [
-        torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, args: seen.append(("global", m, args))),
-        module.register_forward_pre_hook(lambda m, args: seen.append(("plain", m, args))),
-        module.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append(("kwargs", m, args)) or (args, kwargs),
-            with_kwargs=True),
-        module.register_forward_pre_hook(lambda m, args: args),  # hands the same input back
-    ]
-    try:
-        run_forward_pre_hooks(module, (x,))
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert [name for name, _, _ in seen] == ["global", "plain", "kwargs"]
-    assert all(m is module and args[0] is x for _, m, args in seen)
-
-
-@pytest.mark.parametrize("with_kwargs", [False, True], ids=["plain", "with_kwargs"])
-def test_a_hook_may_replace_the_input(with_kwargs):
-    module = torch.nn.Linear(2, 2)
-    if with_kwargs:
-        module.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 2,), kwargs),
-                                         with_kwargs=True)
-    else:
-        module.register_forward_pre_hook(lambda m, args: args[0] * 2)
-    x = torch.randn(2)
-    (replaced,) = run_forward_pre_hooks(module, (x,))
-    assert torch.equal(replaced, x * 2)
-
-
-def test_forward_hooks_run_in_order_and_may_replace_the_output():
-    module = torch.nn.Linear(2, 2)
-    x, out = torch.randn(2), torch.randn(2)
-    seen = []
-    handles = [
-        torch.nn.modules.module.register_module_forward_hook(
-            lambda m, args, output: seen.append(("global", output))),
-        torch.nn.modules.module.register_module_forward_hook(
-            lambda m, args, kwargs, output: seen.append(("global_kwargs", output)),
-            with_kwargs=True),
-        module.register_forward_hook(lambda m, args, output: seen.append(("plain", output))),
-        module.register_forward_hook(lambda m, args, kwargs, output: output * 3, with_kwargs=True),
-        module.register_forward_hook(lambda m, args, output: seen.append(("last", output))),
-    ]
-    try:
-        result = run_forward_hooks(module, (x,), out)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert [name for name, _ in seen] == ["global", "global_kwargs", "plain", "last"]
-    assert seen[0][1] is out and torch.equal(seen[3][1], out * 3) and seen[3][1] is result
-
-
 @pytest.mark.parametrize("fused,scale", PATHS, ids=PATH_IDS)
 def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
     """As megatron's call ``out_norm(x.reshape(-1, D))`` runs them: each pre-hook and forward
@@ -88,7 +30,8 @@ def test_out_norm_hooks_run_once_with_megatrons_input(fused, scale):
     set_out_norm_grad_scale(module, scale)
     calls = []
     module.out_norm.register_forward_pre_hook(lambda m, args: calls.append(("pre", args[0].shape)))
-    module.out_norm.register_forward_hook(lambda m, args, out: calls.append(("post", args[0].shape)))
+    module.out_norm.register_forward_hook(
+        lambda m, args, out: calls.append(("post", args[0].shape)))
     x, gate = _inputs()
     module._apply_gated_norm(x, gate)
     rows = (x.numel() // x.shape[-1], x.shape[-1])

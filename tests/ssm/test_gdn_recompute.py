@@ -6,7 +6,7 @@ recomputation. Megatron's full layer recompute of a GDN hybrid GPT: the same, bi
 import pytest
 import torch
 
-import core.ssm.gated_delta_net as gdn_mod
+from core.fusions import fused_gated_norm as fused_gated_norm_module
 from core.testing.gdn import (build_gdn_layer, gdn_config, layer_inputs,
                               randomize_norm_weights, set_out_norm_grad_scale)
 
@@ -18,14 +18,16 @@ RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["gdn_norm
 
 @pytest.fixture
 def validate_calls(monkeypatch):
+    """Grad mode at each call of the validator, patched where the layer looks it up at every
+    call: on the module core.fusions.fused_gated_norm (the seed contract)."""
     calls = []
-    real = gdn_mod.validate_gated_norm
+    real = fused_gated_norm_module.validate_gated_norm
 
-    def counting(module, x, gate):
+    def counting(module, x, gate, *args, **kwargs):
         calls.append(torch.is_grad_enabled())
-        return real(module, x, gate)
+        return real(module, x, gate, *args, **kwargs)
 
-    monkeypatch.setattr(gdn_mod, "validate_gated_norm", counting)
+    monkeypatch.setattr(fused_gated_norm_module, "validate_gated_norm", counting)
     return calls
 
 
@@ -34,7 +36,8 @@ def _pair(fused: bool):
     randomize_norm_weights(plain)
     recompute = build_gdn_layer(gdn_config(fused_gated_norm=fused, **RECOMPUTE))
     recompute.load_state_dict(plain.state_dict())
-    assert recompute.self_attention.recompute_norm_out and not plain.self_attention.recompute_norm_out
+    assert recompute.self_attention.recompute_norm_out
+    assert not plain.self_attention.recompute_norm_out
     return plain, recompute
 
 

@@ -110,7 +110,8 @@ def test_out_norm_weight_has_no_hook_and_loads_with_weights_only(tp_results, cas
         assert got["attrs"].get(TP_TAG, ("bool", False))[1] == (not case["sequence_parallel"])
 
 
-@pytest.mark.parametrize("case", MEGATRON_SUMS_CASES, ids=[case_name(c) for c in MEGATRON_SUMS_CASES])
+@pytest.mark.parametrize("case", MEGATRON_SUMS_CASES,
+                         ids=[case_name(c) for c in MEGATRON_SUMS_CASES])
 def test_megatron_that_sums_out_norm_grad_itself_gets_tp1_grad(tp_results, case):
     """Under core.testing.gdn_tp.megatron_summing_out_norm_grad (a finalize_model_grads that
     SUM-reduces every *out_norm.weight itself), the module sees it, neither scales nor tags, and

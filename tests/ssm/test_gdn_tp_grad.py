@@ -1,107 +1,24 @@
-"""The tensor-parallel handling of the GDN out_norm gradients, in one process: the scaling lives
-in the autograd graph (scale_grad, parameters_read_as, the kernel's weight_grad_scale), the
-parameters carry no hook and no Python object, megatron's own reduction rule is read by a dry
-run, and a replaced weight without its tag is refused. The multi-rank checks (gloo, TP 2 and 4)
-are in test_gdn_tensor_parallel.py."""
+"""The tensor-parallel handling of the GDN out_norm gradients by the layer, in one process: the
+scaling lives in the autograd graph (the unfused norm reads its parameters through scale_grad,
+the fused kernel takes weight_grad_scale), the parameters carry no hook and no Python object,
+each reduction megatron may apply is completed to the sum, a replaced weight without its tag is
+refused, and the tag reaches Megatron-FSDP's distributed copy. The pieces themselves are tested
+in test_tp_grad_reduction.py and test_fsdp_tags.py; the multi-rank checks (gloo, TP 2 and 4) are
+in test_gdn_tensor_parallel.py."""
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from core.ssm.gated_delta_net import (
-    TP_AVG_TAG,
-    megatron_tp_grad_reduction,
-    parameters_read_as,
-    scale_grad,
-)
+from core.ssm.tp_grad_reduction import TP_AVG_TAG
 from core.testing.gdn import (build_gdn_module, gdn_config, randomize_norm_weights,
                               set_out_norm_grad_scale)
-from core.testing.gdn_tp import megatron_summing_out_norm_grad
 from core.transformer import RMSNorm
 
 from tests.gated_norm_inputs import make_grad_inputs
 
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
-
-
-def test_scale_grad_is_identity_forward_and_scales_the_backward():
-    weight = torch.nn.Parameter(torch.randn(8))
-    assert scale_grad(weight, 1.0) is weight  # TP 1: nothing is added to the graph
-    scaled = scale_grad(weight, 4.0)
-    assert torch.equal(scaled, weight) and scaled.data_ptr() == weight.data_ptr()
-    upstream = torch.randn(8)
-    scaled.backward(upstream)
-    assert torch.equal(weight.grad, 4.0 * upstream)
-    assert not weight._backward_hooks and not vars(weight)
-
-
-class _WeightThroughFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        return dy * weight, (dy * x).sum(0)
-
-
-class _FuserStyleNorm(torch.nn.Module):
-    """Hands ``self.parameters()`` to its own autograd Function and returns the weight's
-    gradient through it, as Transformer Engine 2.x's op fuser does for te.pytorch.RMSNorm
-    (megatron's TENorm)."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(dim))
-
-    def forward(self, x):
-        return _WeightThroughFunction.apply(x, *self.parameters())
-
-
-def _rms_norm(dim):
-    norm = RMSNorm(gdn_config(params_dtype=torch.float32), hidden_size=dim, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(dim))
-    return norm
-
-
-def _layer_norm(dim):
-    norm = torch.nn.LayerNorm(dim)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(dim))
-        norm.bias.copy_(torch.randn(dim))
-    return norm
-
-
-@pytest.mark.parametrize("make_norm", [_rms_norm, _FuserStyleNorm, _layer_norm],
-                         ids=["attribute", "parameters", "weight-and-bias"])
-def test_parameters_read_as_scales_each_gradient_once(make_norm):
-    norm = make_norm(16)
-    params = dict(norm.named_parameters())
-    x = torch.randn(6, 16, requires_grad=True)
-    dy = torch.randn(6, 16)
-    y_ref = norm(x)
-    y_ref.backward(dy)
-    ref = {name: p.grad.clone() for name, p in params.items()}
-    dx_ref = x.grad.clone()
-    norm.zero_grad(set_to_none=True)
-    x.grad = None
-    scales = {name: 2.0 ** (i + 1) for i, name in enumerate(params)}  # weight 2, bias 4
-    with parameters_read_as(norm, {n: scale_grad(p, scales[n]) for n, p in params.items()}):
-        y = norm(x)
-    assert dict(norm.named_parameters()) == params  # the parameters are back
-    y.backward(dy)
-    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
-    for name, param in params.items():
-        assert torch.equal(param.grad, scales[name] * ref[name]), name
-    with pytest.raises(RuntimeError, match="inside"), parameters_read_as(
-            norm, {n: scale_grad(p, 2.0) for n, p in params.items()}):
-        raise RuntimeError("inside")
-    assert all(norm._parameters[name] is param for name, param in params.items())
 
 
 def _norm_grads(module, scale, dtype=torch.bfloat16):
@@ -211,23 +128,6 @@ def _weight(**tags):
     return weight
 
 
-def test_megatron_tp_grad_reduction_reads_megatrons_rule():
-    sp_off = gdn_config(tensor_model_parallel_size=2)
-    sp_on = gdn_config(tensor_model_parallel_size=2, sequence_parallel=True)
-    group = _TPGroupOfTwo()
-    # megatron-core 0.19: the norm's sequence_parallel tag is summed only with SP on.
-    assert megatron_tp_grad_reduction(_weight(sequence_parallel=False), sp_off, group) is None
-    assert megatron_tp_grad_reduction(_weight(sequence_parallel=True), sp_on, group) == "sum"
-    assert megatron_tp_grad_reduction(_weight(**{TP_AVG_TAG: True}), sp_off, group) == "avg"
-    weight = _weight(sequence_parallel=True)
-    megatron_tp_grad_reduction(weight, sp_on, group)
-    assert vars(weight) == {"sequence_parallel": True}  # dry run: nothing added or changed
-    assert torch.equal(weight, torch.ones(4)) and weight.grad is None
-    with megatron_summing_out_norm_grad():
-        assert megatron_tp_grad_reduction(_weight(sequence_parallel=False), sp_off, group) == "sum"
-        assert megatron_tp_grad_reduction(_weight(), sp_off, group, name="linear.weight") is None
-
-
 @pytest.mark.parametrize("tags,sequence_parallel,scale", [
     ({"sequence_parallel": False}, False, 2.0),  # megatron leaves it: tagged here, scaled
     ({"sequence_parallel": True}, True, 1.0),  # megatron sums the partials itself
@@ -263,30 +163,10 @@ def test_module_refuses_a_reduction_it_cannot_complete(monkeypatch):
         gdn.GatedDeltaNet._complete_out_norm_tp_reduction(rank)
 
 
-def _finalize_without_the_tp_step(finalize, monkeypatch):
-    monkeypatch.delattr(finalize, "_allreduce_non_tensor_model_parallel_grads")
-
-
-def _finalize_whose_tp_step_takes_other_arguments(finalize, monkeypatch):
-    monkeypatch.setattr(finalize, "_allreduce_non_tensor_model_parallel_grads",
-                        lambda model, config, tp_group, dp_group: None)
-
-
-@pytest.mark.parametrize("change", [_finalize_without_the_tp_step,
-                                    _finalize_whose_tp_step_takes_other_arguments],
-                         ids=["missing", "other-signature"])
-def test_megatron_tp_grad_reduction_refuses_an_unknown_finalize(change, monkeypatch):
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    change(finalize, monkeypatch)
-    with pytest.raises(RuntimeError, match="cannot tell how this megatron-core's finalize_model_grads"):
-        megatron_tp_grad_reduction(_weight(), gdn_config(tensor_model_parallel_size=2),
-                                   _TPGroupOfTwo())
-
-
 def test_replaced_weight_without_tp_tag_raises():
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
-    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm_grad_scales = {"weight": 2.0}  # a TP 2 rank whose partial dW megatron leaves
     setattr(module.out_norm.weight, TP_AVG_TAG, True)
     module._apply_gated_norm(x, gate)
     module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # untagged weight
@@ -308,7 +188,7 @@ def test_replaced_parameter_runs_where_no_gradient_flows():
     off, or a frozen weight) the replaced parameter needs none, so inference runs."""
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
-    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm_grad_scales = {"weight": 2.0}  # a TP 2 rank whose partial dW megatron leaves
     module.out_norm = RMSNorm(module.config, hidden_size=16, eps=1e-5)  # untagged weight
     with torch.no_grad():
         module._apply_gated_norm(x, gate)
@@ -344,9 +224,10 @@ def test_tp_tag_reaches_megatron_fsdp_distributed_param():
     module = build_gdn_module(gdn_config(fused_gated_norm=True))
     x, gate = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(2, 3, 4, 16).bfloat16()
     weight = module.out_norm.weight
-    module.out_norm_grad_scales = {"weight": 2.0}  # as on a TP 2 rank whose partial dW megatron leaves
+    module.out_norm_grad_scales = {"weight": 2.0}  # a TP 2 rank whose partial dW megatron leaves
     setattr(weight, TP_AVG_TAG, True)
-    dist_weight, dist_other = torch.nn.Parameter(weight.detach()[:8]), torch.nn.Parameter(torch.ones(2))
+    dist_weight = torch.nn.Parameter(weight.detach()[:8])
+    dist_other = torch.nn.Parameter(torch.ones(2))
     dist_weight.orig_param, dist_other.orig_param = weight, torch.nn.Parameter(torch.ones(2))
     buffer = type("Buffer", (), {"optimizer_named_parameters": [
         ("decoder.other", dist_other), ("decoder.out_norm.weight", dist_weight)]})()
@@ -375,22 +256,3 @@ def test_tp_tag_reaches_megatron_fsdp_distributed_param():
     module._apply_gated_norm(x, gate)
     assert getattr(copy, TP_AVG_TAG, False) is True
     assert not hasattr(dist_other, TP_AVG_TAG)
-
-
-def test_megatron_fsdp_still_drops_the_tp_tag():
-    """The layout the carrying above relies on, read from megatron-core's source: MegatronFSDP's
-    forward swaps the module's own parameters in (marking them ``_megatron_fsdp_model``), and its
-    distributed parameters keep ``orig_param`` and a fixed attribute list without the TP tag.
-    When a megatron-core changes this, the test says so."""
-    import inspect
-
-    fsdp = importlib.import_module(
-        "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
-    buffers = importlib.import_module(
-        "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
-    assert "_replace_param_with_raw_if_needed" in inspect.getsource(fsdp.MegatronFSDP.forward)
-    assert "_megatron_fsdp_model = self" in inspect.getsource(
-        fsdp.MegatronFSDP._replace_param_with_raw_if_needed)
-    source = inspect.getsource(buffers.ParamAndGradBuffer._init_optimizer_named_parameters)
-    assert '"orig_param", orig_param' in source
-    assert TP_AVG_TAG not in source  # if megatron copies it one day, the carrying is redundant

@@ -593,6 +593,9 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
         "held_out_loss": held_out_loss,
         "tp_out_norm_max_diff": tp_diffs if tp > 1 else None,
         "paired_checks": paired,
+        # On the CPU the kernels run in the Triton interpreter: the report does not call its
+        # times the flag's speed.
+        "triton_interpreter": not HAS_CUDA,
         "args": {k: v for k, v in vars(args).items()},
         "world_size": world_size,
     }

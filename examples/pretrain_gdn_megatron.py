@@ -294,16 +294,17 @@ def model_config_from_args(args):
     """megatron's model config from the command line, with our transformer config and spec.
     ``--hybrid-layer-pattern``: a HybridModelConfig with :func:`gdn_hybrid_stack_spec`. Else a
     GPTModelConfig with ``--spec`` (megatron's: a spec or spec function by module and name)
-    through ``use_fused_gdn``, or :func:`gdn_block_spec`. ``--megatron-transformer-config``:
-    what megatron's own pretrain scripts build, megatron's TransformerConfig and the ``--spec``
-    as it is (the CPU run's TE stand-ins aside)."""
+    through ``use_fused_gdn`` with the flag's setting, or :func:`gdn_block_spec`.
+    ``--megatron-transformer-config``: what megatron's own pretrain scripts build, megatron's
+    TransformerConfig and the ``--spec`` as it is (the CPU run's TE stand-ins aside)."""
     stock = args.megatron_transformer_config
     config = None if stock else transformer_config_from_args(args)
     # Our config: its flag decides, and every spec follows it. megatron's: the spec switches the
     # fusion, and the model must run it.
     fused = True if stock else bool(gated_output_norm_fusion(config))
     hybrid = args.hybrid_layer_pattern is not None
-    model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=config)
+    config_from_args = hybrid_config_from_args if hybrid else gpt_config_from_args
+    model_config = config_from_args(args, config=config)
     spec_field = "hybrid_stack_spec" if hybrid else "transformer_layer_spec"
     spec = getattr(model_config, spec_field)  # megatron's import of --spec, else None
     if args.spec is not None and spec is None:  # megatron logs the import error and goes on

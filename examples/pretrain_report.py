@@ -4,8 +4,11 @@ line; run_megatron_pairs.py's summary too).
 
 A run result is a plain dict (also written as JSON):
     {"label", "fused_gated_norm", "out_norm_nudged", "steps", "losses": [per step],
-     "step_times": [s], "tokens_per_step", "held_out_loss", "tp_out_norm_max_diff", ...}
+     "step_times": [s], "tokens_per_step", "held_out_loss", "tp_out_norm_max_diff",
+     "triton_interpreter", ...}
 The first run is the reference (flag off); every other run is compared with it step by step.
+Runs whose kernels ran in the Triton interpreter (the CPU run) are timed as the interpreter's,
+and their speeds are not compared: interpreter time says nothing about the fused norm's speed.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def command_line(argv: list) -> str:
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT)
     launcher = ["python"]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+        world = os.environ["WORLD_SIZE"]
+        local = os.environ.get("LOCAL_WORLD_SIZE", world)
         launcher = ["torchrun", f"--nproc-per-node={local}"]
         if world != local:
             launcher.append(f"--nnodes={int(world) // int(local)}")
@@ -80,7 +84,8 @@ def run_environment(argv: Optional[list] = None) -> dict:
 
 def environment_line(env: dict) -> str:
     versions = ", ".join(f"{name.replace('_', '-')} {env[name]}" for name in
-                         ("python", "torch", "triton", "megatron_core", "fla_core") if env.get(name))
+                         ("python", "torch", "triton", "megatron_core", "fla_core")
+                         if env.get(name))
     return f"{env['date']}; {versions}; {env['command']}"
 
 
@@ -115,7 +120,8 @@ def agreement(ref: dict, run: dict) -> dict:
         "identical_steps": sum(1 for d in deltas if d == 0.0),
         "first_differing_step": first_diff,
         "final_delta": deltas[-1] if n else 0.0,
-        "late_mean_delta": late_mean(run["losses"][:n]) - late_mean(ref["losses"][:n]) if n else 0.0,
+        "late_mean_delta": (late_mean(run["losses"][:n]) - late_mean(ref["losses"][:n])
+                            if n else 0.0),
         "held_out_delta": (ho_run - ho_ref) if ho_ref is not None and ho_run is not None else None,
     }
 
@@ -151,21 +157,33 @@ def fused_calls_text(run: dict) -> str:
     return f"{run['fused_norm_calls'] / run['steps']:g} ({run['gdn_layers']} GDN layers)"
 
 
+INTERPRETER_NOTE = ("Times under the Triton interpreter (CPU) measure the interpreter, not the "
+                    "fused norm:",
+                    "they say nothing about the flag's speed, and none is compared here "
+                    "(GPU timings: docs/benchmarks.md).")
+
+
 def summary_table(runs: list[dict], setup: str) -> str:
-    """One column per run; then, for every run after the first, its agreement with the first."""
+    """One column per run; then, for every run after the first, its agreement with the first
+    (and its speed against the first's, unless a run's kernels ran in the Triton interpreter)."""
     late = f"mean loss, last {max(1, int(runs[0]['steps'] * LATE_FRACTION))} steps"
+    interpreted = any(r.get("triton_interpreter") for r in runs)
+    speed = "interpreter tokens/s (median step)" if interpreted else "tokens/s (median step)"
+    wall = "interpreter wall time (s)" if interpreted else "wall time (s)"
     rows = [
         ("steps", [str(r["steps"]) for r in runs]),
         ("first loss", [_f(r["losses"][0]) for r in runs]),
         ("final loss", [_f(r["losses"][-1]) for r in runs]),
         (late, [_f(late_mean(r["losses"])) for r in runs]),
         ("held-out loss", [_f(r.get("held_out_loss")) for r in runs]),
-        ("tokens/s (median step)", [f"{tokens_per_second(r):,.0f}" for r in runs]),
-        ("wall time (s)", [f"{sum(r['step_times']):.1f}" for r in runs]),
+        (speed, [f"{tokens_per_second(r):,.0f}" for r in runs]),
+        (wall, [f"{sum(r['step_times']):.1f}" for r in runs]),
         ("out_norm w equal on TP ranks", [tp_check_text(r) for r in runs]),
         ("fused norm calls per step", [fused_calls_text(r) for r in runs]),
     ]
     lines = [setup, ""] + _table([r["label"] for r in runs], rows)
+    if interpreted:
+        lines += ["", *INTERPRETER_NOTE]
     if len(runs) > 1:
         ref = runs[0]
         ags = [agreement(ref, r) for r in runs[1:]]
@@ -180,9 +198,11 @@ def summary_table(runs: list[dict], setup: str) -> str:
             (f"d({late.split(',')[0]}, last {late.split('last ')[1]})",
              [f"{a['late_mean_delta']:+.2e}" for a in ags]),
             ("d(held-out loss)", [_f(a["held_out_delta"], "+.2e") for a in ags]),
-            ("tokens/s vs reference", [f"{(tokens_per_second(r) / tokens_per_second(ref) - 1) * 100:+.1f} %"
-                                       for r in runs[1:]]),
         ]
+        if not interpreted:
+            rows.append(("tokens/s vs reference",
+                         [f"{(tokens_per_second(r) / tokens_per_second(ref) - 1) * 100:+.1f} %"
+                          for r in runs[1:]]))
         lines += ["", f"step by step against '{ref['label']}' (dloss = loss - reference loss):"]
         lines += _table([r["label"] for r in runs[1:]], rows)
     checks = runs[0].get("paired_checks") or []

@@ -1,10 +1,11 @@
 """Specs that build Gated DeltaNet models whose GDN layers are core.ssm.GatedDeltaNet (the class
-that honours ``config.fused_gated_norm``), on top of megatron-core's own spec functions.
+that implements the fused output norm), on top of megatron-core's own spec functions.
 
     use_fused_gdn(spec)                   any megatron spec tree with megatron's GatedDeltaNet
-                                          replaced by ours (nothing built, input untouched)
-    assert_fused_gdn(model)               raises, naming the layers, when a built model asks for
-                                          the fusion but holds megatron's GatedDeltaNet
+                                          replaced by ours, fused whatever the config (nothing
+                                          built, input untouched)
+    assert_fused_gdn(model)               raises, naming the layers, unless every GDN layer of
+                                          a built Megatron model runs the fusion
     replace_modules(spec, {old: new})     the spec rewrite both of the above rest on
     get_gdn_hybrid_block_spec(config)     GPTModel block of the gated_delta_net attention variant:
                                           megatron's block spec (TE), or the same block from
@@ -20,10 +21,11 @@ HybridModel ('G' layers of a ``hybrid_layer_pattern``): ``use_fused_gdn(hybrid_s
 'transformer_engine' (megatron's default); ``False`` forces megatron-core's own modules
 (ColumnParallelLinear / RowParallelLinear / DotProductAttention and
 :class:`core.transformer.LocalNorm`), which work on any device; ``True`` without TE raises.
-The fusion itself is switched by ``config.fused_gated_norm``. Where the config has no such
-field (megatron's own TransformerConfig, as megatron's pretrain scripts build it), by the GDN
-spec's param instead: ``use_fused_gdn(spec, fused_gated_norm=True)``, and the ready-made specs
-for megatron's ``--spec`` option in ``core.models.fused_gdn_specs``.
+The ``get_gdn_*`` builders leave the fusion to the config (``fused_gated_norm``, or megatron
+main's name ``gdn_gated_output_norm_fusion``; unset: off). :func:`use_fused_gdn` switches it on
+in the spec itself, which serves any config, megatron's own TransformerConfig included (what
+megatron's pretrain scripts build, with no fusion field), as do the ready-made specs for
+megatron's ``--spec`` option in ``core.models.fused_gdn_specs``.
 
 Example::
 
@@ -34,8 +36,9 @@ Example::
                      vocab_size=..., max_sequence_length=...)
     assert_fused_gdn(model)
 
-    # a spec from megatron, or from a framework on top of it: swap the GDN class only
+    # a spec from megatron, or from a framework on top of it: our GDN class, fused
     model = HybridModel(config, use_fused_gdn(hybrid_stack_spec), ...)
+    assert_fused_gdn(model)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import torch
 # that fails under the installed Triton is named as the cause (core.ssm.megatron_gdn_import).
 from core.ssm.gated_delta_net import GatedDeltaNet  # isort: skip
 
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.models.gpt import experimental_attention_variant_module_specs as _mgdn
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -62,6 +66,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDelt
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -72,7 +77,11 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from core.fusions.gated_norm_validation import check_bool
 from core.transformer.rms_norm import LocalNorm
-from core.transformer.transformer_config import check_gdn_field_types, gdn_out_norm_zero_centered
+from core.transformer.transformer_config import (
+    GATED_OUTPUT_NORM_NAMES,
+    gated_output_norm_fusion,
+    gdn_out_norm_zero_centered,
+)
 
 try:
     import transformer_engine  # noqa: F401  # pylint: disable=unused-import
@@ -255,46 +264,73 @@ def _with_fields(node: Any, changes: dict) -> Any:
     return new
 
 
-def use_fused_gdn(spec: Any, fused_gated_norm: Optional[bool] = None) -> Any:
-    """``spec`` with megatron's ``GatedDeltaNet`` replaced by :class:`core.ssm.GatedDeltaNet`, so
-    that ``config.fused_gated_norm`` (and ``gdn_out_norm_zero_centered_gamma``, and the TP
-    gradient fix of the output norm) take effect in the model built from it.
+def use_fused_gdn(spec: Any, *, gated_output_norm: bool = True,
+                  pre_gated_delta_rule: bool = False) -> Any:
+    """``spec`` with megatron's ``GatedDeltaNet`` replaced by :class:`core.ssm.GatedDeltaNet`,
+    whose layers run the fusions asked for here, whatever config they are built with.
+
+    ``gated_output_norm`` (megatron main's ``gdn_gated_output_norm_fusion``): True, the
+    default, sets the GDN specs' param ``fused_gated_norm=True``, so every GDN layer built from
+    the result runs the fused output norm, with megatron's own TransformerConfig too (no fusion
+    field: what megatron's ``pretrain_gpt.py`` / ``pretrain_hybrid.py`` build), and with one
+    that leaves the switch unset. A config that turns the fusion off (``fused_gated_norm`` or
+    ``gdn_gated_output_norm_fusion`` False) fails the build with a ValueError saying how to
+    fix it; so does a config that violates the fusion's rules (RMSNorm, a silu gate, ...).
+    False builds our class with the unfused norm (a config that turns the fusion on fails).
+    ``pre_gated_delta_rule`` (megatron main's ``gdn_pre_gated_delta_rule_fusion``): the fusion
+    before the recurrence, not implemented: True raises NotImplementedError. Either argument
+    that is not a bool raises TypeError. Check the built model with
+    ``assert_fused_gdn(model)`` (same keywords).
 
     Works on any spec megatron (or a framework on top of it) builds: the GPT block spec of the
-    ``gated_delta_net`` attention variant (``get_transformer_block_with_experimental_attention_variant_spec``
-    and its per-layer list), the hybrid stack spec (``megatron.core.models.hybrid.hybrid_stack_spec``,
-    whose 'G' layers hold the GDN), TE, local or Kitchen backends, dense or MoE MLPs, MTP
-    blocks, lists / tuples of any of these. Everything except the GDN class is left as it is
-    (same submodules, params, metainfo); nothing is built and the input is not modified (see
-    :func:`replace_modules`). Our class takes megatron's constructor arguments and builds the
-    same parameters, so state-dict and sharded-state-dict keys (and so checkpoints) do not change.
+    ``gated_delta_net`` attention variant
+    (``get_transformer_block_with_experimental_attention_variant_spec`` and its per-layer list),
+    the hybrid stack spec (``megatron.core.models.hybrid.hybrid_stack_spec``, whose 'G' layers
+    hold the GDN), TE, local or Kitchen backends, dense or MoE MLPs, MTP
+    blocks, lists / tuples of any of these. Everything except the GDN class and its param is
+    left as it is (same submodules, other params, metainfo); nothing is built and the input is
+    not modified (see :func:`replace_modules`). Our class takes megatron's constructor
+    arguments and builds the same parameters, so state-dict and sharded-state-dict keys (and so
+    checkpoints) do not change. The zero-centring override (``gdn_out_norm_zero_centered_gamma``)
+    and the TP gradient fix of the output norm come with our class.
 
     A subclass of megatron's GatedDeltaNet other than ours is someone else's layer and is left
-    alone; :func:`assert_fused_gdn` reports it if its config asks for the fusion.
-
-    ``fused_gated_norm``: None leaves the switch to ``config.fused_gated_norm``. True (or False)
-    also sets our GDN specs' param of that name, which switches the fusion where the config has
-    no such field: megatron's own TransformerConfig, which megatron's ``pretrain_gpt.py`` /
-    ``pretrain_hybrid.py`` build from their command line (``core.models.fused_gdn_specs``'s
-    ``gpt_block_spec`` and ``hybrid_stack_spec``). A config that has the field must agree with it
-    (ValueError at construction, ``core.transformer.validate_gdn_config``).
+    alone; :func:`assert_fused_gdn` names it.
 
     A spec function gives a spec function (``use_fused_gdn(provider.transformer_layer_spec)``:
     same signature, the replacement made in what it builds); None, a string or another non-spec
-    raises TypeError, as does a ``fused_gated_norm`` that is not None or a bool."""
-    check_bool("use_fused_gdn", "fused_gated_norm", fused_gated_norm,
-               "leave the switch to config.fused_gated_norm")
-    params = None if fused_gated_norm is None else {
-        GatedDeltaNet: {"fused_gated_norm": fused_gated_norm}}
-    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet}, params)
+    raises TypeError."""
+    _check_fusions("use_fused_gdn", gated_output_norm, pre_gated_delta_rule)
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet},
+                           {GatedDeltaNet: {"fused_gated_norm": gated_output_norm}})
+
+
+def _check_fusions(entry: str, gated_output_norm, pre_gated_delta_rule) -> None:
+    """The fusion keywords of :func:`use_fused_gdn` and :func:`assert_fused_gdn`: bools
+    (TypeError), and no request for the fusion that is not implemented (NotImplementedError)."""
+    check_bool(entry, "gated_output_norm", gated_output_norm)
+    check_bool(entry, "pre_gated_delta_rule", pre_gated_delta_rule)
+    if pre_gated_delta_rule:
+        raise NotImplementedError(
+            f"{entry}: pre_gated_delta_rule=True asks for the fusion before the gated delta rule "
+            "(megatron main's gdn_pre_gated_delta_rule_fusion), which "
+            "core.ssm.gated_delta_net.GatedDeltaNet does not implement; pass "
+            "pre_gated_delta_rule=False")
+
+
+def _with_our_gdn(spec: Any) -> Any:
+    """``spec`` with our GatedDeltaNet in place of megatron's and no param: the config of the
+    model decides whether the fused output norm runs (the spec builders below, which take it)."""
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
 
 
 def _only_ours_honours(config) -> list:
     """The settings of ``config`` that megatron's GatedDeltaNet silently ignores (TypeError for
     a field of the wrong type, named as validate_gdn_config names it)."""
     asked = []
-    if check_gdn_field_types(config):
-        asked.append("fused_gated_norm=True")
+    if gated_output_norm_fusion(config):
+        asked.append(" / ".join(f"{name}=True" for name in GATED_OUTPUT_NORM_NAMES
+                                if getattr(config, name, None) is True))
     if gdn_out_norm_zero_centered(config) != bool(config.layernorm_zero_centered_gamma):
         asked.append(
             f"gdn_out_norm_zero_centered_gamma={config.gdn_out_norm_zero_centered_gamma} "
@@ -303,15 +339,56 @@ def _only_ours_honours(config) -> list:
     return asked
 
 
-def assert_fused_gdn(model) -> None:
-    """Raise ``TypeError`` when a GDN layer of ``model`` is megatron's ``GatedDeltaNet`` (or
-    another subclass of it that is not :class:`core.ssm.GatedDeltaNet`) while its config asks
-    for something only ours does: ``fused_gated_norm=True``, or a
-    ``gdn_out_norm_zero_centered_gamma`` that differs from ``layernorm_zero_centered_gamma``.
-    The message names every such module path. A no-op when nothing is asked for, or every GDN
-    layer is ours.
+def _model_chunks(model) -> list:
+    """``(path prefix, chunk)`` of a Megatron model: a MegatronModule (any megatron wrapper:
+    DDP, FSDP, Float16Module, and torch's DistributedDataParallel around one) or a non-empty
+    list / tuple of them (megatron's model chunks). TypeError for anything else."""
+    rule = ("model must be a Megatron model: a megatron.core.transformer.module.MegatronModule "
+            "(GPTModel, HybridModel, a GDN layer; or megatron's DDP / Float16Module around one) "
+            "or a list / tuple of such model chunks")
+    if isinstance(model, (list, tuple)):
+        if not model:
+            raise TypeError(f"assert_fused_gdn: {rule}, got an empty {type(model).__name__}")
+        chunks = [(f"[{i}].", chunk) for i, chunk in enumerate(model)]
+    else:
+        chunks = [("", model)]
+    for prefix, chunk in chunks:
+        inner = chunk
+        while isinstance(inner, _WRAPPERS) and isinstance(getattr(inner, "module", None),
+                                                          torch.nn.Module):
+            inner = inner.module
+        if not isinstance(inner, MegatronModule):
+            where = f" (chunk {prefix[1:-2]})" if prefix else ""
+            wrapped = f" wrapping {type(inner).__name__}" if inner is not chunk else ""
+            raise TypeError(f"assert_fused_gdn: {rule}, got {type(chunk).__name__}{wrapped}"
+                            f"{where}")
+    return chunks
 
-    ``model``: a ``torch.nn.Module`` (any wrapper: DDP, Float16Module) or a list / tuple of
+
+# The module classes that hold a model as ``.module``: megatron's data-parallel wrappers (DDP,
+# FSDP), Float16Module, torch's DistributedDataParallel.
+_WRAPPERS = (_BaseDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+
+
+def assert_fused_gdn(model, *, gated_output_norm: bool = True,
+                     pre_gated_delta_rule: bool = False) -> None:
+    """Raise unless every GDN layer of ``model`` runs the fusions asked for; a model (or a
+    pipeline stage) that holds no GDN layer passes. Keywords as :func:`use_fused_gdn`'s.
+
+    ``gated_output_norm=True`` (the default): every GDN layer must be
+    :class:`core.ssm.GatedDeltaNet` with its fused output norm on (its ``fused_gated_norm``
+    attribute). ``False`` asks for no fusion: only a layer of another GatedDeltaNet class whose
+    config asks for something only ours does (the fused norm, or a
+    ``gdn_out_norm_zero_centered_gamma`` that differs from ``layernorm_zero_centered_gamma``)
+    is refused, since it would ignore that setting. ``pre_gated_delta_rule=True`` raises
+    NotImplementedError (not implemented here).
+
+    Raises TypeError when ``model`` is not a Megatron model (see below) and when some offending
+    layer is of another class than ours; ValueError when every offending layer is ours with
+    the fusion off. The message names every such module path and says how to fix it.
+
+    ``model``: a ``megatron.core.transformer.module.MegatronModule`` (megatron's DDP, FSDP and
+    Float16Module wrappers included, and torch's DDP around one) or a non-empty list / tuple of
     them (megatron's model chunks); paths of a list are prefixed with the chunk index.
 
     Why an explicit check after the model is built, rather than an automatic one: the flag
@@ -322,37 +399,42 @@ def assert_fused_gdn(model) -> None:
     every model, including ones that never import this package. The built model is the one
     place where both are known, and walking its modules costs microseconds per layer, once.
     Launchers call it right after building the model (examples/pretrain_gdn_megatron.py: as
-    a post-wrap hook of megatron's model config), and
-    :func:`get_gdn_hybrid_block_spec` / :func:`use_fused_gdn` make the specs it would reject
-    unnecessary."""
-    if isinstance(model, torch.nn.Module):
-        chunks = [("", model)]
-    elif isinstance(model, (list, tuple)) and all(isinstance(m, torch.nn.Module) for m in model):
-        chunks = [(f"[{i}].", m) for i, m in enumerate(model)]
-    else:
-        raise TypeError(
-            "assert_fused_gdn: model must be a torch.nn.Module or a list/tuple of them, got "
-            f"{type(model).__name__}"
-        )
-    offenders = []
-    asked_for = []
-    for prefix, chunk in chunks:
+    a post-wrap hook of megatron's model config)."""
+    _check_fusions("assert_fused_gdn", gated_output_norm, pre_gated_delta_rule)
+    other_class, unfused, asked_for = [], [], []
+    for prefix, chunk in _model_chunks(model):
         for name, module in chunk.named_modules():
-            if not isinstance(module, MegatronGatedDeltaNet) or isinstance(module, GatedDeltaNet):
+            if not isinstance(module, MegatronGatedDeltaNet):
                 continue
-            asked = _only_ours_honours(module.config)
+            path = f"{prefix}{name or '<root>'}"
+            if isinstance(module, GatedDeltaNet):
+                if gated_output_norm and module.fused_gated_norm is not True:
+                    unfused.append(path)
+                continue
+            asked = ["the fused output norm"] if gated_output_norm else []
+            asked += _only_ours_honours(module.config)
             if asked:
-                offenders.append(f"{prefix}{name or '<root>'} ({type(module).__module__}."
-                                 f"{type(module).__qualname__})")
+                other_class.append(f"{path} ({type(module).__module__}."
+                                   f"{type(module).__qualname__})")
                 asked_for.extend(a for a in asked if a not in asked_for)
-    if offenders:
-        raise TypeError(
-            f"assert_fused_gdn: the config asks for {', '.join(asked_for)}, which only "
-            "core.ssm.gated_delta_net.GatedDeltaNet implements, but these layers are another "
-            f"GatedDeltaNet class and would silently ignore it: {'; '.join(offenders)}. Build "
-            "the model from core.models.gdn_specs.use_fused_gdn(spec) (or "
-            "get_gdn_hybrid_block_spec(config))."
-        )
+    problems = []
+    if other_class:
+        problems.append(
+            f"these GDN layers are another GatedDeltaNet class than "
+            f"core.ssm.gated_delta_net.GatedDeltaNet and would silently ignore "
+            f"{', '.join(asked_for)}: {'; '.join(other_class)}")
+    if unfused:
+        problems.append(
+            f"these GDN layers are ours with the fused output norm off (their config turns it "
+            f"off or leaves it unset, and their spec does not switch it on): {'; '.join(unfused)}")
+    if problems:
+        error = TypeError if other_class else ValueError
+        raise error(
+            f"assert_fused_gdn(gated_output_norm={gated_output_norm}): {' and '.join(problems)}. "
+            "Build the model from core.models.use_fused_gdn(spec) (it turns the fusion on), or "
+            "set the config's fused_gated_norm (megatron main: gdn_gated_output_norm_fusion) to "
+            "True with core.models.get_gdn_hybrid_block_spec(config); pass "
+            "gated_output_norm=False to check a model built without the fusion on purpose.")
 
 
 def _use_te(use_te: Optional[bool], config=None) -> bool:
@@ -412,8 +494,8 @@ def get_gdn_module_spec(use_te: Optional[bool] = None, config=None) -> ModuleSpe
 
     TE: megatron's ``get_gated_delta_net_module_spec(config)`` (TELayerNormColumnParallelLinear
     with the layer's input norm fused in, TENorm, TERowParallelLinear; Kitchen when
-    ``config.use_kitchen``) through :func:`use_fused_gdn`; ``config`` None means plain TE and
-    RMSNorm. Without TE: ColumnParallelLinear, LocalNorm, RowParallelLinear, the input norm a
+    ``config.use_kitchen``) with our class in place of megatron's; ``config`` None means plain
+    TE and RMSNorm. Without TE: ColumnParallelLinear, LocalNorm, RowParallelLinear, the input norm a
     separate layer module (``fuse_input_layernorm=False``); megatron has no local GDN spec (see
     ``_megatron_local_gdn_module_spec``)."""
     if _use_te(use_te, config):
@@ -423,8 +505,8 @@ def get_gdn_module_spec(use_te: Optional[bool] = None, config=None) -> ModuleSpe
             spec = _mgdn.get_gated_delta_net_module_spec(_default_te_config(), TESpecProvider())
         else:
             spec = _mgdn.get_gated_delta_net_module_spec(config)
-        return use_fused_gdn(spec)
-    return use_fused_gdn(_megatron_local_gdn_module_spec())
+        return _with_our_gdn(spec)
+    return _with_our_gdn(_megatron_local_gdn_module_spec())
 
 
 def _with_gdn_mixer(layer: ModuleSpec, mixer: ModuleSpec) -> ModuleSpec:
@@ -472,8 +554,10 @@ def get_gdn_hybrid_block_spec(
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Per-layer specs of a GDN / attention hybrid, for ``GPTModel(transformer_layer_spec=...)``.
+    Its GDN layers are our class, the fused output norm switched by ``config`` (unset: off;
+    ``use_fused_gdn`` of the result switches it on whatever the config).
 
-    TE: ``use_fused_gdn`` of megatron's own
+    TE: megatron's own
     ``get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)``
     (its layer pattern, MoE pattern, MLA / qk_l2_norm / qk_layernorm attention, Kitchen backend,
     pipeline slicing and final norm, whatever megatron's version of it supports).
@@ -493,12 +577,12 @@ def get_gdn_hybrid_block_spec(
             f"got {config.experimental_attention_variant!r}"
         )
     if _use_te(use_te, config):
-        return use_fused_gdn(
+        return _with_our_gdn(
             _mgdn.get_transformer_block_with_experimental_attention_variant_spec(
                 config, vp_stage=vp_stage, pp_rank=pp_rank
             )
         )
-    return use_fused_gdn(_local_norms(_megatron_local_gdn_block_spec(config, vp_stage, pp_rank)))
+    return _with_our_gdn(_local_norms(_megatron_local_gdn_block_spec(config, vp_stage, pp_rank)))
 
 
 def _megatron_local_gdn_block_spec(config, vp_stage, pp_rank) -> TransformerBlockSubmodules:

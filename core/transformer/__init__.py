@@ -4,6 +4,7 @@ Transformer-Engine-free RMSNorm."""
 from core.transformer.rms_norm import LocalNorm, RMSNorm
 from core.transformer.transformer_config import (
     TransformerConfig,
+    gated_output_norm_fusion,
     gdn_out_norm_zero_centered,
     validate_gdn_config,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "LocalNorm",
     "RMSNorm",
     "TransformerConfig",
+    "gated_output_norm_fusion",
     "gdn_out_norm_zero_centered",
     "validate_gdn_config",
 ]

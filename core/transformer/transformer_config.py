@@ -6,6 +6,7 @@ field's type object, and postponed annotations would turn them into strings.
 """
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,29 @@ from megatron.core.transformer.transformer_config import (
 from core.fusions.gated_norm_validation import (check_bool, check_norm_and_gate,
                                                  check_positive_number)
 
+# The two names of the fused output norm's switch: this package's and megatron main's.
+GATED_OUTPUT_NORM_NAMES = ("fused_gated_norm", "gdn_gated_output_norm_fusion")
+# megatron main's switch of its fusion before the recurrence, which core.ssm does not implement.
+PRE_GATED_DELTA_RULE_NAME = "gdn_pre_gated_delta_rule_fusion"
+
+# The fields of the installed megatron-core's config: a field it declares itself is not
+# declared again here (a redefinition would replace megatron's default, help text and checks).
+_MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(_MegatronTransformerConfig))
+
+# The instance attribute where __post_init__ records the resolved switch (None: neither name was
+# set), so that the bools it writes into both fields are not read later as a user's setting.
+_RESOLVED_SWITCH = "_gdn_gated_output_norm_fusion_resolved"
+_NOT_RESOLVED = object()
+
+
+def _store_true(flag: str, help_text: Optional[str] = None) -> dict:
+    """A field's argparse metadata for megatron's ArgumentGroupFactory: a flag that sets True,
+    absent leaves the field None (not set)."""
+    meta = {"arg_names": [flag], "action": "store_true"}
+    if help_text is not None:
+        meta["help"] = help_text
+    return {"argparse_meta": meta}
+
 
 @dataclass
 class TransformerConfig(_MegatronTransformerConfig):
@@ -25,19 +49,34 @@ class TransformerConfig(_MegatronTransformerConfig):
     megatron field and check is unchanged.
     """
 
-    fused_gated_norm: bool = False
+    fused_gated_norm: Optional[bool] = field(default=None,
+                                             metadata=_store_true("--fused-gated-norm"))
     """Compute the Gated DeltaNet output norm and its gate, ``out_proj``'s input
     ``round(round(rms_norm(x) * w) * act(gate))``, in one Triton kernel per direction
-    (``core.fusions.fused_gated_norm``) instead of megatron's norm + gate + transpose copy. Takes
-    effect in every ``core.ssm.gated_delta_net.GatedDeltaNet`` and nowhere else: the spec
-    functions of ``core.models.gdn_specs`` build it, ``core.models.use_fused_gdn(spec)`` puts it
-    into any megatron spec (e.g. the hybrid stack spec, whose 'G' layers leave
-    experimental_attention_variant at None), and ``core.models.assert_fused_gdn(model)`` names
-    the layers of a built model that hold megatron's class instead. Requires
-    normalization='RMSNorm' and activation_func (the GDN gate activation, which megatron also
-    applies after the short convolution) F.silu, or torch.sigmoid with deterministic_mode (outside
-    deterministic mode megatron's convolution kernel takes silu only). On megatron's command line
-    (core.training.arguments): --fused-gated-norm with --normalization RMSNorm and --swiglu (silu)."""
+    (``core.fusions.fused_gated_norm``) instead of megatron's norm + gate + transpose copy. The
+    same switch as megatron main's gdn_gated_output_norm_fusion (either name turns it on; one
+    True and the other False is refused); None: not set, the GDN spec decides
+    (``core.models.use_fused_gdn(spec)`` turns it on), else off. After construction both names
+    read the resolved bool. Takes effect in every ``core.ssm.gated_delta_net.GatedDeltaNet`` and
+    nowhere else: ``core.models.use_fused_gdn(spec)`` puts that class into any megatron spec,
+    and ``core.models.assert_fused_gdn(model)`` names the layers of a built model that do not
+    run the fusion. Requires normalization='RMSNorm' and activation_func (the GDN gate
+    activation, which megatron also applies after the short convolution) F.silu, or
+    torch.sigmoid with deterministic_mode (outside deterministic mode megatron's convolution
+    kernel takes silu only); deterministic_mode is supported. On megatron's command line
+    (core.training.arguments): --fused-gated-norm (or --gdn-gated-output-norm-fusion) with
+    --normalization RMSNorm and --swiglu (silu)."""
+
+    if "gdn_gated_output_norm_fusion" not in _MEGATRON_FIELDS:
+        # megatron main's name of fused_gated_norm; declared here only while the installed
+        # megatron-core does not declare it itself.
+        gdn_gated_output_norm_fusion: Optional[bool] = field(
+            default=None,
+            metadata=_store_true(
+                "--gdn-gated-output-norm-fusion",
+                "megatron main's name of --fused-gated-norm: the same switch (either flag turns "
+                "the fused GDN output gated norm on)"),
+        )
 
     gdn_out_norm_zero_centered_gamma: Optional[bool] = field(
         default=None,
@@ -55,15 +94,57 @@ class TransformerConfig(_MegatronTransformerConfig):
     def __post_init__(self):
         super().__post_init__()
         validate_gdn_config(self)
+        resolved = gated_output_norm_fusion(self)
+        setattr(self, _RESOLVED_SWITCH, resolved)
+        for name in GATED_OUTPUT_NORM_NAMES:
+            setattr(self, name, bool(resolved))
 
 
-def check_gdn_field_types(config) -> bool:
-    """The types of the two GDN fields (TypeError naming the config's class: a string or an int
-    is not a bool); returns whether the config asks for the fused norm."""
-    fused = check_bool(type(config).__name__, "fused_gated_norm",
-                       getattr(config, "fused_gated_norm", False))
-    _zero_centered_override(config)
-    return fused
+def gated_output_norm_fusion(config) -> Optional[bool]:
+    """The fused output norm's switch as ``config`` sets it: True (on), False (off) or None
+    (neither name set). The one reader of the switch: every other reader goes through it.
+
+    Its two names are one switch: this package's ``fused_gated_norm`` and megatron main's
+    ``gdn_gated_output_norm_fusion``, each read where the config has it (any config class: ours,
+    megatron's, a Megatron-Bridge provider carrying them as attributes). A name is set when it
+    holds a bool, except
+      * None, the "not set" default of the fields this package declares;
+      * False in a field whose class declares the default False (megatron's own declaration of
+        gdn_gated_output_norm_fusion, where False cannot be told from unset);
+      * the bool our ``__post_init__`` wrote into both names, until one of them is assigned
+        another value (that assignment is then the setting).
+    Raises TypeError for a value that is no bool or None (a string 'false' would read as True)
+    and ValueError when one name is True and the other False."""
+    owner = type(config).__name__
+    resolved = getattr(config, _RESOLVED_SWITCH, _NOT_RESOLVED)
+    declared = getattr(type(config), "__dataclass_fields__", {})
+    settings = {}
+    for name in GATED_OUTPUT_NORM_NAMES:
+        value = getattr(config, name, None)
+        if value is not None and type(value) is not bool:
+            raise TypeError(f"{owner}: {name} must be a bool (True or False) or None (not set), "
+                            f"got {value!r}")
+        if value is None or (value is False and name in declared
+                             and declared[name].default is False):
+            continue
+        if resolved is not _NOT_RESOLVED and value is bool(resolved):
+            continue  # as __post_init__ wrote it
+        settings[name] = value
+    if len(set(settings.values())) > 1:
+        given = ", ".join(f"{name}={value}" for name, value in settings.items())
+        raise ValueError(
+            f"{owner}: {given} contradict each other: fused_gated_norm and megatron main's "
+            "gdn_gated_output_norm_fusion are one switch (the fused GDN output norm); set one "
+            "of them, or both to the same value")
+    if settings:
+        return next(iter(settings.values()))
+    return None if resolved is _NOT_RESOLVED else resolved
+
+
+def _switch_values(config) -> str:
+    """The names of the switch that ``config`` has, with their values, for a message."""
+    return ", ".join(f"{name}={getattr(config, name)}" for name in GATED_OUTPUT_NORM_NAMES
+                     if hasattr(config, name))
 
 
 def _zero_centered_override(config) -> Optional[bool]:
@@ -73,33 +154,55 @@ def _zero_centered_override(config) -> Optional[bool]:
                       "follow layernorm_zero_centered_gamma")
 
 
+def check_pre_gated_delta_rule_fusion(config) -> None:
+    """megatron main's ``gdn_pre_gated_delta_rule_fusion`` (its fusion of everything between
+    in_proj and the recurrence) is not implemented by core.ssm.GatedDeltaNet: a config that
+    turns it on is refused (NotImplementedError) rather than built without it. TypeError for a
+    value that is no bool or None."""
+    value = getattr(config, PRE_GATED_DELTA_RULE_NAME, None)
+    check_bool(type(config).__name__, PRE_GATED_DELTA_RULE_NAME, value, "not set")
+    if value:
+        raise NotImplementedError(
+            f"{type(config).__name__}.{PRE_GATED_DELTA_RULE_NAME}=True: the fusion before the "
+            "gated delta rule (megatron main's) is not implemented by "
+            "core.ssm.gated_delta_net.GatedDeltaNet, which would run without it; set it False "
+            "(the fused output norm, fused_gated_norm / gdn_gated_output_norm_fusion, is "
+            "independent of it)")
+
+
 def validate_gdn_config(config, fused_gated_norm: Optional[bool] = None) -> bool:
-    """The rules of the two GDN fields, on any megatron TransformerConfig (ours runs them in
+    """The rules of the GDN fields, on any megatron TransformerConfig (ours runs them in
     ``__post_init__``; ``core.ssm.GatedDeltaNet`` runs them again at construction, so a config of
     another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
     provider -- is checked too). A config without the fields passes. TypeError for a field of
     the wrong type (a string or an int is not a bool), ValueError for a combination the fused
-    norm does not implement. Returns whether the fused norm is on.
+    norm does not implement, NotImplementedError for ``gdn_pre_gated_delta_rule_fusion=True``.
+    Returns whether the fused norm is on.
 
-    ``fused_gated_norm``: the GDN spec's param of that name
-    (``core.models.use_fused_gdn(spec, fused_gated_norm=True)``), which switches the fusion
-    where the config has no such field: megatron's own TransformerConfig, as megatron's
-    ``pretrain_gpt.py`` builds it from its command line. None leaves the choice to the config.
-    A bool must agree with a config that has the field (ValueError): nothing decides between
-    two settings silently."""
-    fused = check_gdn_field_types(config)
+    The switch is :func:`gated_output_norm_fusion` of the config, unless ``fused_gated_norm``
+    (the GDN spec's param of that name, which ``core.models.use_fused_gdn`` sets) is a bool:
+    then the param decides, and a config that sets the switch must agree with it (ValueError):
+    nothing decides between two settings silently. None leaves the choice to the config (off
+    where it sets nothing)."""
+    check_pre_gated_delta_rule_fusion(config)
+    setting = gated_output_norm_fusion(config)
+    _zero_centered_override(config)
+    fused = bool(setting)
     if fused_gated_norm is not None:
         check_bool("GatedDeltaNet spec params", "fused_gated_norm", fused_gated_norm)
-        if hasattr(config, "fused_gated_norm") and fused_gated_norm != fused:
+        if setting is not None and fused_gated_norm != setting:
             raise ValueError(
-                f"the GDN spec's param fused_gated_norm={fused_gated_norm} disagrees with "
-                f"{type(config).__name__}.fused_gated_norm={fused}: set the config field and "
-                "build from a spec without the param (use_fused_gdn(spec)), or use a config "
-                "without the field (megatron's own TransformerConfig)")
+                f"the GDN spec's param fused_gated_norm={fused_gated_norm} (from "
+                f"core.models.use_fused_gdn(spec, gated_output_norm={fused_gated_norm})) "
+                f"disagrees with {type(config).__name__}, which turns the fused output norm "
+                f"{'on' if setting else 'off'} ({_switch_values(config)}): build from "
+                f"use_fused_gdn(spec, gated_output_norm={setting}), or leave fused_gated_norm "
+                "and gdn_gated_output_norm_fusion unset (None) so that the spec decides")
         fused = fused_gated_norm
     if not fused:
         return False
-    activation = check_norm_and_gate(config.normalization, config.activation_func, "activation_func")
+    activation = check_norm_and_gate(config.normalization, config.activation_func,
+                                     "activation_func")
     # The kernels take eps as a normal fp32 number; checked again on every fused forward.
     check_positive_number(f"{type(config).__name__} with fused_gated_norm", "layernorm_epsilon",
                           config.layernorm_epsilon)

@@ -32,7 +32,8 @@ MAX_GRAD_REL_FP32 = 1e-5
 
 
 def _load_example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", name + ".py"))
+    path = os.path.join(ROOT, "examples", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -58,9 +59,13 @@ def _run(out, *extra):
     for name in ("summary.txt", "losses.csv", "loss_curves.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     assert "max |dloss|" in proc.stdout
+    # the CPU run's kernels ran in the Triton interpreter: no speed of the flag is reported
+    assert "tokens/s vs reference" not in proc.stdout
+    assert "interpreter tokens/s (median step)" in proc.stdout
     # what reproduces the result: versions, date and the command line
     last_line = open(os.path.join(out, "summary.txt")).read().splitlines()[-1]
-    assert "megatron-core 0.19" in last_line and "python examples/pretrain_gdn.py --compare" in last_line
+    assert "megatron-core 0.19" in last_line
+    assert "python examples/pretrain_gdn.py --compare" in last_line
     assert all(run["env"]["command"] == runs[0]["env"]["command"] for run in runs)
     return runs
 
@@ -204,7 +209,8 @@ def test_cpu_threads_default_and_validation(monkeypatch):
                                 r"corpus has 13067 tokens\), got 14000"),
     (["--seq-length", "300000", "--eval-batches", "0"],
      r"--seq-length must be at most 248262 \(the training split of the corpus has 248264 tokens\)"),
-    (["--num-query-groups", "3"], "--num-attention-heads 4 must be a multiple of --num-query-groups 3"),
+    (["--num-query-groups", "3"],
+     "--num-attention-heads 4 must be a multiple of --num-query-groups 3"),
     # megatron's own rules, from its config, before any rank is spawned
     (["--tp", "3"], r"megatron refuses these model settings: num_attention_heads \(4\) must be a "
                     r"multiple of tensor_model_parallel_size \(3\).* \[options: "
@@ -227,7 +233,8 @@ def test_long_sequences_without_held_out_evaluation(monkeypatch):
     example = _load_example("pretrain_gdn")
     monkeypatch.setattr(example, "HAS_CUDA", False)
     parse = example.build_parser().parse_args
-    assert example.resolve_defaults(parse(["--eval-batches", "0", "--seq-length", "20000"])).seq_length == 20000
+    long_sequence = parse(["--eval-batches", "0", "--seq-length", "20000"])
+    assert example.resolve_defaults(long_sequence).seq_length == 20000
 
 
 def test_warmup_default_leaves_a_decay_step(monkeypatch):
@@ -242,7 +249,8 @@ def test_warmup_default_leaves_a_decay_step(monkeypatch):
 
 def _report_run(label, losses, checks=()):
     return {"label": label, "steps": len(losses), "losses": losses, "held_out_loss": losses[-1],
-            "step_times": [0.1] * len(losses), "tokens_per_step": 64, "grad_norms": [1.0] * len(losses),
+            "step_times": [0.1] * len(losses), "tokens_per_step": 64,
+            "grad_norms": [1.0] * len(losses),
             "lrs": [1e-3] * len(losses), "tp_out_norm_max_diff": None, "gdn_layers": 1,
             "fused_norm_calls": 0, "paired_checks": list(checks)}
 
@@ -260,9 +268,27 @@ def test_report_states_the_ulps_of_the_largest_paired_difference(tmp_path):
     assert f"{report.ulp(large):.2e} (1.0 ulp)" in table
 
 
+@pytest.mark.parametrize("interpreted", [False, True], ids=["gpu", "triton_interpreter"])
+def test_report_compares_speed_only_outside_the_interpreter(interpreted):
+    """Interpreter time says nothing about the fused norm's speed: a run in the Triton
+    interpreter gets its times labelled as the interpreter's and no speed comparison."""
+    report = _load_example("pretrain_report")
+    runs = [_report_run("off", [2.0, 1.0]), _report_run("on", [2.0, 1.0])]
+    runs[1]["step_times"] = [0.2, 0.2]
+    for run in runs:
+        run["triton_interpreter"] = interpreted
+    table = report.summary_table(runs, "setup")
+    assert ("tokens/s vs reference" in table) is not interpreted
+    assert ("interpreter tokens/s (median step)" in table) is interpreted
+    assert ("say nothing about the flag's speed" in table) is interpreted
+    if not interpreted:
+        assert "-50.0 %" in table
+
+
 def test_report_leaves_only_this_runs_files(tmp_path):
     report = _load_example("pretrain_report")
-    report.write_outputs(str(tmp_path), [_report_run("off", [2.0, 1.0]), _report_run("on", [2.0, 1.0])],
+    report.write_outputs(str(tmp_path),
+                         [_report_run("off", [2.0, 1.0]), _report_run("on", [2.0, 1.0])],
                          "setup", "title")
     report.write_outputs(str(tmp_path), [_report_run("on", [2.0, 1.5, 1.0])], "setup", "title")
     assert sorted(p.name for p in tmp_path.glob("run_*.json")) == ["run_on.json"]

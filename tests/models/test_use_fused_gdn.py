@@ -1,8 +1,13 @@
 """use_fused_gdn on megatron's own GDN specs (the GPT block spec of the gated_delta_net variant,
-dense and MoE; the hybrid stack spec; lists, tuples, import paths): only the GDN class changes,
-the input is untouched, and the models built from both specs have the same state-dict and
-sharded-state-dict keys. assert_fused_gdn rejects a model that asks for the fusion but holds
-megatron's class."""
+dense and MoE; the hybrid stack spec; lists, tuples, import paths): only the GDN class and its
+fusion param change, the input is untouched, and the models built from both specs have the same
+state-dict and sharded-state-dict keys. The layers it builds run the fusion with any config that
+does not turn it off (megatron's own included). assert_fused_gdn refuses anything but a Megatron
+model, and a model with a GDN layer that does not run the fusion asked for."""
+
+import copy
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -12,18 +17,18 @@ from megatron.core.models.gpt import experimental_attention_variant_module_specs
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import (
+    TransformerConfig as MegatronTransformerConfig,
+)
 
-from core.models.gdn_specs import assert_fused_gdn, use_fused_gdn
+from core.models.gdn_specs import (assert_fused_gdn, get_attention_layer_spec,
+                                   get_gdn_hybrid_block_spec, use_fused_gdn)
+from core.models.te_free_specs import megatron_te_spec_builders, te_to_local
 from core.ssm import GatedDeltaNet
 from core.testing.gdn import gdn_config
-from core.testing.specs import (
-    checkpoint_keys,
-    compare_gdn_swap,
-    megatron_te_spec_builders,
-    spec_fingerprint,
-    te_to_local,
-)
+from core.testing.specs import checkpoint_keys, compare_gdn_swap, spec_fingerprint
 from tests.gated_norm_checks import assert_language_model_matches_unfused
 
 VOCAB, SEQ = 64, 16
@@ -45,10 +50,39 @@ def _megatron_block_spec(config):
         return mexp.get_transformer_block_with_experimental_attention_variant_spec(config)
 
 
+def _fusion_param_checked_and_dropped(node, memo=None):
+    """A copy of a spec tree built by use_fused_gdn with the param it sets on our GDN specs
+    (``fused_gated_norm=True``, asserted on each) dropped: compare_gdn_swap then judges the rest
+    as a pure class swap. Shared nodes stay shared."""
+    memo = {} if memo is None else memo
+    if id(node) in memo:
+        return memo[id(node)]
+    if isinstance(node, type) or not (dataclasses.is_dataclass(node) or isinstance(
+            node, (list, tuple, dict, functools.partial))):
+        return node
+    drop = functools.partial(_fusion_param_checked_and_dropped, memo=memo)
+    if isinstance(node, functools.partial):
+        new = functools.partial(drop(node.func), *map(drop, node.args),
+                                **{k: drop(v) for k, v in node.keywords.items()})
+    elif isinstance(node, (list, tuple)):
+        new = type(node)(map(drop, node))
+    elif isinstance(node, dict):
+        new = {k: drop(v) for k, v in node.items()}
+    else:
+        new = copy.copy(node)
+        for field in dataclasses.fields(node):
+            object.__setattr__(new, field.name, drop(getattr(node, field.name)))
+        if isinstance(node, ModuleSpec) and node.module is GatedDeltaNet:
+            assert node.params["fused_gated_norm"] is True, node
+            new.params = {k: v for k, v in new.params.items() if k != "fused_gated_norm"}
+    memo[id(node)] = new
+    return new
+
+
 def _check_swap(spec, expected_swaps):
     before = spec_fingerprint(spec)
     fused = use_fused_gdn(spec)
-    assert compare_gdn_swap(spec, fused) == expected_swaps
+    assert compare_gdn_swap(spec, _fusion_param_checked_and_dropped(fused)) == expected_swaps
     assert spec_fingerprint(spec) == before, "use_fused_gdn modified its input"
     assert use_fused_gdn(fused) is fused  # nothing left to replace: the same object back
     return fused
@@ -116,13 +150,13 @@ def test_classes_in_a_specs_params_dict_are_replaced():
 
 
 @pytest.mark.parametrize("value", [True, False])
-def test_fused_gated_norm_sets_the_param_of_every_gdn_spec(value):
-    """The switch for configs without the field: set on our GDN specs (megatron's shared mixer
-    spec stays one shared copy), nothing else touched, the input untouched; applying it again
-    gives the same object back."""
+def test_gated_output_norm_sets_the_param_of_every_gdn_spec(value):
+    """The switch in the spec (what a config without the field, megatron's own, needs): set on
+    our GDN specs (megatron's shared mixer spec stays one shared copy), nothing else touched,
+    the input untouched; applying it again gives the same object back."""
     spec = _megatron_block_spec(_config())
     before = spec_fingerprint(spec)
-    fused = use_fused_gdn(spec, fused_gated_norm=value)
+    fused = use_fused_gdn(spec, gated_output_norm=value)
     mixers = [layer.submodules.self_attention for layer in fused.layer_specs]
     assert mixers[0] is mixers[2] and mixers[0].module is GatedDeltaNet
     assert mixers[0].params == {**spec.layer_specs[0].submodules.self_attention.params,
@@ -130,26 +164,44 @@ def test_fused_gated_norm_sets_the_param_of_every_gdn_spec(value):
     assert "fused_gated_norm" not in mixers[1].params  # the attention layer's
     assert fused.layer_specs[1] is spec.layer_specs[1]
     assert spec_fingerprint(spec) == before
-    assert use_fused_gdn(fused, fused_gated_norm=value) is fused
-    assert use_fused_gdn(fused) is fused  # None: the params stay as they are
-    flipped = use_fused_gdn(fused, fused_gated_norm=not value)
+    assert use_fused_gdn(fused, gated_output_norm=value) is fused
+    assert (use_fused_gdn(fused) is fused) is value  # the default asks for the fusion
+    flipped = use_fused_gdn(fused, gated_output_norm=not value)
     assert flipped.layer_specs[0].submodules.self_attention.params["fused_gated_norm"] is not value
 
 
-def test_fused_gated_norm_reaches_the_specs_a_spec_function_builds():
-    fused_fn = use_fused_gdn(mexp.get_transformer_block_with_experimental_attention_variant_spec,
-                             fused_gated_norm=True)
+def test_the_default_asks_for_the_fusion_in_the_specs_a_spec_function_builds():
+    fused_fn = use_fused_gdn(mexp.get_transformer_block_with_experimental_attention_variant_spec)
     with megatron_te_spec_builders():
         spec = fused_fn(_config(), vp_stage=None)
     assert spec.layer_specs[0].submodules.self_attention.params["fused_gated_norm"] is True
 
 
-@pytest.mark.parametrize("value", ["true", 1, 0.0])
-def test_fused_gated_norm_is_a_bool_or_none(value):
-    with pytest.raises(TypeError, match=rf"use_fused_gdn: fused_gated_norm must be None \(leave "
-                                        rf"the switch to config.fused_gated_norm\), True or "
-                                        rf"False, got {value!r}"):
-        use_fused_gdn(hybrid_stack_spec, fused_gated_norm=value)
+@pytest.mark.parametrize("entry", [use_fused_gdn, assert_fused_gdn])
+@pytest.mark.parametrize("keyword", ["gated_output_norm", "pre_gated_delta_rule"])
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_the_fusion_keywords_are_bools(entry, keyword, value):
+    with pytest.raises(TypeError, match=rf"{entry.__name__}: {keyword} must be a bool \(True or "
+                                        rf"False\), got {value!r}"):
+        entry(hybrid_stack_spec, **{keyword: value})
+
+
+@pytest.mark.parametrize("entry", [use_fused_gdn, assert_fused_gdn])
+def test_the_pre_recurrence_fusion_is_refused_not_ignored(entry):
+    """megatron main's second fusion (gdn_pre_gated_delta_rule_fusion) is not implemented: a
+    request for it raises, whatever else is asked."""
+    for gated_output_norm in (True, False):
+        with pytest.raises(NotImplementedError,
+                           match=rf"{entry.__name__}: pre_gated_delta_rule=True asks for the "
+                                 r"fusion before the gated delta rule \(megatron main's "
+                                 r"gdn_pre_gated_delta_rule_fusion\)"):
+            entry(hybrid_stack_spec, gated_output_norm=gated_output_norm,
+                  pre_gated_delta_rule=True)
+
+
+def test_the_keywords_are_keyword_only():
+    with pytest.raises(TypeError, match="positional argument"):
+        use_fused_gdn(hybrid_stack_spec, True)
 
 
 class _SpecBuilder:
@@ -176,7 +228,7 @@ def test_spec_function_gives_a_spec_function_with_its_signature(kind):
     config = _config()
     with megatron_te_spec_builders():
         spec, fused = spec_fn(config, vp_stage=None), fused_fn(config, vp_stage=None)
-    assert compare_gdn_swap(spec, fused) == 2
+    assert compare_gdn_swap(spec, _fusion_param_checked_and_dropped(fused)) == 2
 
 
 def test_a_partial_of_a_module_class_stays_a_spec_node():
@@ -190,7 +242,8 @@ def test_a_partial_of_a_module_class_stays_a_spec_node():
 
 @pytest.mark.parametrize("spec", ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", b"GDN", 42])
 def test_what_is_no_spec_is_refused(spec):
-    with pytest.raises(TypeError, match="replace_modules: spec must be a spec, a list of specs or a spec function"):
+    with pytest.raises(TypeError, match="replace_modules: spec must be a spec, a list of specs "
+                                        "or a spec function"):
         use_fused_gdn(spec)
 
 
@@ -250,14 +303,15 @@ def test_hybrid_model_keys_unchanged():
 @pytest.mark.cpu_shims
 def test_hybrid_model_with_gdn_mtp_trains_as_unfused():
     """A HybridModel whose pattern puts GDN layers in the decoder and in its multi-token
-    prediction depth ("G*G-/G-"), built from use_fused_gdn of megatron's hybrid stack spec: every
-    GDN layer, the MTP one included, is ours and runs the fused norm, and the loss and every
-    gradient (the MTP loss's included) equal the flag-off model's within fp32 rounding."""
-    spec = use_fused_gdn(te_to_local(hybrid_stack_spec))
+    prediction depth ("G*G-/G-"), built from use_fused_gdn of megatron's hybrid stack spec with a
+    config that leaves the switch unset: every GDN layer, the MTP one included, is ours and runs
+    the fused norm, and the loss and every gradient (the MTP loss's included) equal those of the
+    model built with gated_output_norm=False within fp32 rounding."""
+    config = _config(linear_attention_freq=None, experimental_attention_variant=None,
+                     mtp_num_layers=1)
 
     def build(fused):
-        config = _config(linear_attention_freq=None, experimental_attention_variant=None,
-                         fused_gated_norm=fused, mtp_num_layers=1)
+        spec = use_fused_gdn(te_to_local(hybrid_stack_spec), gated_output_norm=fused)
         return HybridModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                            hybrid_layer_pattern="G*G-/G-")
 
@@ -279,12 +333,73 @@ def _gpt(config, spec):
     return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
+def _gdn_flags(model):
+    return [m.fused_gated_norm for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def test_megatrons_own_config_builds_fused_layers_from_use_fused_gdn():
+    """megatron's TransformerConfig has no fusion field: the spec switches the fusion on, and
+    the model passes; the same config with our GDN class and no param builds unfused layers,
+    which assert_fused_gdn refuses naming them (a ValueError: the class is right, the switch is
+    off), and which pass when no fusion is asked for."""
+    config = _config(config_class=MegatronTransformerConfig)
+    model = _gpt(config, use_fused_gdn(te_to_local(_megatron_block_spec(config))))
+    assert _gdn_flags(model) == [True, True]
+    assert_fused_gdn(model)
+    unfused = _gpt(config, get_gdn_hybrid_block_spec(config))  # the config decides: unset, off
+    assert _gdn_flags(unfused) == [False, False]
+    with pytest.raises(ValueError, match=r"assert_fused_gdn\(gated_output_norm=True\): these GDN "
+                                         r"layers are ours with the fused output norm off .*: "
+                                         r"decoder\.layers\.0\.self_attention; "
+                                         r"decoder\.layers\.2\.self_attention\. Build the "
+                                         r"model from core\.models\.use_fused_gdn\(spec\)"):
+        assert_fused_gdn(unfused)
+    assert_fused_gdn(unfused, gated_output_norm=False)
+
+
+def test_a_config_that_turns_the_fusion_off_fails_the_build_saying_how_to_fix_it():
+    spec = te_to_local(_megatron_block_spec(_config()))
+    for name in ("fused_gated_norm", "gdn_gated_output_norm_fusion"):
+        off = _config(**{name: False})
+        with pytest.raises(ValueError, match=r"use_fused_gdn\(spec, gated_output_norm=True\)\) "
+                                             r"disagrees with TransformerConfig, which turns the "
+                                             r"fused output norm off .*: build from "
+                                             r"use_fused_gdn\(spec, gated_output_norm=False\)"):
+            _gpt(off, use_fused_gdn(spec))
+        assert _gdn_flags(_gpt(off, use_fused_gdn(spec, gated_output_norm=False))) == [False] * 2
+    on = _config(gdn_gated_output_norm_fusion=True)  # megatron main's name
+    assert _gdn_flags(_gpt(on, use_fused_gdn(spec))) == [True, True]
+
+
+def test_a_config_asking_for_the_pre_recurrence_fusion_fails_the_build():
+    """megatron main's gdn_pre_gated_delta_rule_fusion (here an attribute of megatron's config,
+    as a release that declares it would carry it): our layers refuse to be built without it."""
+    config = _config(config_class=MegatronTransformerConfig)
+    spec = use_fused_gdn(te_to_local(_megatron_block_spec(config)))
+    config.gdn_pre_gated_delta_rule_fusion = True
+    with pytest.raises(NotImplementedError, match=r"gdn_pre_gated_delta_rule_fusion=True: the "
+                                                  r"fusion before the gated delta rule"):
+        _gpt(config, spec)
+    config.gdn_pre_gated_delta_rule_fusion = False
+    assert _gdn_flags(_gpt(config, spec)) == [True, True]
+
+
 def test_assert_fused_gdn_names_megatron_layers():
+    """megatron's class has no fused output norm: refused whenever the fusion is asked for
+    (its config need not ask: the call does), and with gated_output_norm=False only where its
+    config asks for something only ours does."""
+    plain = _config()
+    spec = te_to_local(_megatron_block_spec(plain))
+    with pytest.raises(TypeError, match=r"another GatedDeltaNet class .* would silently ignore "
+                                        r"the fused output norm: "
+                                        r"decoder\.layers\.0\.self_attention \(megatron\."):
+        assert_fused_gdn(_gpt(plain, spec))
+    assert_fused_gdn(_gpt(plain, spec), gated_output_norm=False)  # nothing asked of it
     config = _config(fused_gated_norm=True)
-    spec = te_to_local(_megatron_block_spec(config))
     model = _gpt(config, spec)
-    with pytest.raises(TypeError, match="fused_gated_norm=True") as info:
-        assert_fused_gdn(model)
+    for asked in (True, False):
+        with pytest.raises(TypeError, match="fused_gated_norm=True") as info:
+            assert_fused_gdn(model, gated_output_norm=asked)
     message = str(info.value)
     assert "decoder.layers.0.self_attention" in message
     assert "decoder.layers.2.self_attention" in message
@@ -294,13 +409,23 @@ def test_assert_fused_gdn_names_megatron_layers():
     assert_fused_gdn(_gpt(config, use_fused_gdn(spec)))  # ours: passes
 
 
+def test_assert_fused_gdn_reports_both_kinds_of_layer_as_a_type_error():
+    config = _config()
+    spec = te_to_local(_megatron_block_spec(config))
+    chunks = [_gpt(config, spec), _gpt(config, get_gdn_hybrid_block_spec(config))]
+    with pytest.raises(TypeError, match=r"\[0\]\.decoder\.layers\.0\.self_attention .* and "
+                                        r"these GDN layers are ours with the fused output norm "
+                                        r"off .*\[1\]\.decoder\.layers\.0\.self_attention"):
+        assert_fused_gdn(chunks)
+
+
 class TheirGDN(MegatronGDN):
     """Someone else's subclass of megatron's layer: use_fused_gdn leaves it alone."""
 
 
 def test_assert_fused_gdn_names_a_foreign_subclass():
     config = _config(fused_gated_norm=True)
-    spec = use_fused_gdn(te_to_local(_megatron_block_spec(config)))
+    spec = te_to_local(_megatron_block_spec(config))  # a spec of its own, built for this test
     mixer = spec.layer_specs[0].submodules.self_attention  # shared by the GDN layers 0 and 2
     assert mixer is spec.layer_specs[2].submodules.self_attention
     mixer.module = TheirGDN
@@ -310,15 +435,42 @@ def test_assert_fused_gdn_names_a_foreign_subclass():
         assert_fused_gdn(model)
 
 
-def test_assert_fused_gdn_zero_centring_override_and_no_op():
+def test_assert_fused_gdn_zero_centring_override():
     override = _config(layernorm_zero_centered_gamma=True, gdn_out_norm_zero_centered_gamma=False)
     spec = te_to_local(_megatron_block_spec(override))
     with pytest.raises(TypeError, match="gdn_out_norm_zero_centered_gamma=False"):
-        assert_fused_gdn(_gpt(override, spec))
-    plain = _config()
-    assert_fused_gdn(_gpt(plain, te_to_local(_megatron_block_spec(plain))))  # nothing asked
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        assert_fused_gdn("model")
+        assert_fused_gdn(_gpt(override, spec), gated_output_norm=False)
+
+
+def test_a_stage_without_gdn_layers_passes():
+    """A pipeline stage (or any Megatron model) that holds no GDN layer: nothing to check."""
+    config = _config(num_layers=2)
+    assert_fused_gdn(_gpt(config, get_attention_layer_spec(use_te=False)))
+
+
+@pytest.mark.parametrize("model, got", [
+    (torch.nn.Linear(2, 2), "got Linear"),
+    ("model", "got str"),
+    ([], "got an empty list"),
+    ((torch.nn.Linear(2, 2),), r"got Linear \(chunk 0\)"),
+], ids=["linear", "string", "empty_list", "tuple_of_linear"])
+def test_assert_fused_gdn_refuses_what_is_not_a_megatron_model(model, got):
+    with pytest.raises(TypeError, match=rf"assert_fused_gdn: model must be a Megatron model: a "
+                                        rf"megatron\.core\.transformer\.module\.MegatronModule "
+                                        rf".*, {got}"):
+        assert_fused_gdn(model)
+
+
+def test_assert_fused_gdn_looks_inside_megatrons_wrappers():
+    """Float16Module (megatron's bf16 wrapper): around a Megatron model it is that model, with
+    its paths; around anything else it is refused."""
+    config = _config(params_dtype=torch.bfloat16)
+    spec = te_to_local(_megatron_block_spec(config))
+    assert_fused_gdn(Float16Module(config, _gpt(config, use_fused_gdn(spec))))
+    with pytest.raises(TypeError, match=r"module\.decoder\.layers\.0\.self_attention"):
+        assert_fused_gdn([Float16Module(config, _gpt(config, spec))])
+    with pytest.raises(TypeError, match="got Float16Module wrapping Linear"):
+        assert_fused_gdn(Float16Module(config, torch.nn.Linear(2, 2)))
 
 
 @pytest.mark.parametrize("field, value", [("fused_gated_norm", "false"),
@@ -328,6 +480,5 @@ def test_assert_fused_gdn_names_a_field_of_the_wrong_type(field, value):
     config = _config()
     model = _gpt(config, te_to_local(_megatron_block_spec(config)))
     setattr(config, field, value)
-    with pytest.raises(TypeError, match=rf"TransformerConfig: {field} must be .*True or False\)?, "
-                                        rf"got {value!r}"):
-        assert_fused_gdn(model)
+    with pytest.raises(TypeError, match=rf"TransformerConfig: {field} must be .*, got {value!r}"):
+        assert_fused_gdn(model, gated_output_norm=False)

@@ -18,7 +18,7 @@ from megatron.training.arguments import add_megatron_arguments, parse_args, vali
 
 from core.training import add_gdn_fusion_args, transformer_config_from_args
 from core.training.arguments import GROUP_TITLE
-from core.transformer import TransformerConfig, gdn_out_norm_zero_centered
+from core.transformer import TransformerConfig, gated_output_norm_fusion, gdn_out_norm_zero_centered
 
 # A small Qwen3-Next-style GDN hybrid as a Megatron user writes it (no TE, no apex).
 GDN_COMMAND_LINE = """
@@ -48,9 +48,10 @@ def test_gdn_command_line_lands_in_our_config(monkeypatch):
     args = megatron_args(monkeypatch, "--fused-gated-norm", "--apply-layernorm-1p",
                          "--no-gdn-out-norm-zero-centered-gamma")
     assert args.fused_gated_norm is True and args.gdn_out_norm_zero_centered_gamma is False
+    assert args.gdn_gated_output_norm_fusion is None  # not given
     config = transformer_config_from_args(args)
     assert type(config) is TransformerConfig
-    assert config.fused_gated_norm is True
+    assert config.fused_gated_norm is True and config.gdn_gated_output_norm_fusion is True
     assert config.gdn_out_norm_zero_centered_gamma is False
     assert config.layernorm_zero_centered_gamma is True
     assert gdn_out_norm_zero_centered(config) is False
@@ -64,11 +65,32 @@ def test_gdn_command_line_lands_in_our_config(monkeypatch):
     assert config.num_query_groups == 2 and not config.add_bias_linear
 
 
-def test_defaults_flag_off_and_zero_centring_follows_apply_layernorm_1p(monkeypatch):
+@pytest.mark.parametrize("flags", [("--gdn-gated-output-norm-fusion",),
+                                   ("--fused-gated-norm", "--gdn-gated-output-norm-fusion")],
+                         ids=["megatron_main", "both"])
+def test_megatron_mains_flag_is_the_same_switch(monkeypatch, flags):
+    args = megatron_args(monkeypatch, *flags)
+    assert args.gdn_gated_output_norm_fusion is True
+    config = transformer_config_from_args(args)
+    assert config.fused_gated_norm is True and config.gdn_gated_output_norm_fusion is True
+
+
+def test_the_two_names_contradicting_each_other_are_named_with_their_flags(monkeypatch):
+    args = megatron_args(monkeypatch, "--fused-gated-norm")
+    args.gdn_gated_output_norm_fusion = False  # e.g. a launcher that sets it from elsewhere
+    with pytest.raises(ValueError, match=r"fused_gated_norm=True, gdn_gated_output_norm_fusion="
+                                         r"False contradict each other.* \[command line: "
+                                         r"--fused-gated-norm, --gdn-gated-output-norm-fusion\]"):
+        transformer_config_from_args(args)
+
+
+def test_defaults_flag_unset_and_zero_centring_follows_apply_layernorm_1p(monkeypatch):
     args = megatron_args(monkeypatch, "--apply-layernorm-1p")
-    assert args.fused_gated_norm is False and args.gdn_out_norm_zero_centered_gamma is None
+    assert args.fused_gated_norm is None and args.gdn_gated_output_norm_fusion is None  # not set
+    assert args.gdn_out_norm_zero_centered_gamma is None
     config = transformer_config_from_args(args)
     assert config.fused_gated_norm is False and config.gdn_out_norm_zero_centered_gamma is None
+    assert gated_output_norm_fusion(config) is None  # a spec may switch it on
     assert gdn_out_norm_zero_centered(config) is True
     args = megatron_args(monkeypatch, "--gdn-out-norm-zero-centered-gamma")
     config = transformer_config_from_args(args)
@@ -84,6 +106,8 @@ def test_help_lists_the_flags(monkeypatch, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"{GROUP_TITLE}:" in text
     assert "--fused-gated-norm Compute the Gated DeltaNet output norm and its gate" in text
+    assert ("--gdn-gated-output-norm-fusion megatron main's name of --fused-gated-norm: the "
+            "same switch") in text
     assert "--gdn-out-norm-zero-centered-gamma, --no-gdn-out-norm-zero-centered-gamma" in text
     assert "Zero-centred gamma" in text
 
@@ -109,14 +133,16 @@ def test_gelu_gate_refused_naming_swiglu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["x", *line, "--fused-gated-norm"])
     args = parse_args(extra_args_provider=add_gdn_fusion_args)
     validate_args(args)
-    with pytest.raises(ValueError, match=r"got 'gelu' \[command line: --fused-gated-norm, --swiglu"):
+    with pytest.raises(ValueError,
+                       match=r"got 'gelu' \[command line: --fused-gated-norm, --swiglu"):
         transformer_config_from_args(args)
 
 
 def test_yaml_config_is_refused(monkeypatch):
     args = megatron_args(monkeypatch)
     args.yaml_cfg = "model.yaml"
-    with pytest.raises(ValueError, match="--yaml-cfg: megatron then builds args from the YAML file"):
+    with pytest.raises(ValueError,
+                       match="--yaml-cfg: megatron then builds args from the YAML file"):
         transformer_config_from_args(args)
 
 
@@ -130,8 +156,9 @@ def test_flags_are_named_once_and_only_for_config_fields():
 def test_string_is_not_a_bool(monkeypatch):
     args = megatron_args(monkeypatch)
     args.fused_gated_norm = "false"
-    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\), got "
-                                        r"'false' \[command line: --fused-gated-norm\]"):
+    with pytest.raises(TypeError, match=r"fused_gated_norm must be a bool \(True or False\) or "
+                                        r"None \(not set\), got 'false' \[command line: "
+                                        r"--fused-gated-norm\]"):
         transformer_config_from_args(args)
     args.fused_gated_norm = False
     args.gdn_out_norm_zero_centered_gamma = 1
@@ -172,4 +199,29 @@ def test_argument_group_factory_takes_our_config():
     ours = ArgumentGroupFactory(TransformerConfig, exclude=list(excluded)).build_group(
         argparse.ArgumentParser(), "transformer configuration")
     assert {a.dest for a in ours._group_actions} == megatron_dests | {
-        "fused_gated_norm", "gdn_out_norm_zero_centered_gamma"}
+        "fused_gated_norm", "gdn_gated_output_norm_fusion", "gdn_out_norm_zero_centered_gamma"}
+
+
+def test_a_flag_megatrons_parser_already_has_is_not_added_again():
+    """A megatron-core release that puts megatron main's --gdn-gated-output-norm-fusion on its
+    own parser (a stand-in parser here): argparse would refuse the flag twice, so it stays the
+    parser's, and the rest of the group is added."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    theirs = parser.add_argument("--gdn-gated-output-norm-fusion", action="store_true")
+    add_gdn_fusion_args(parser)
+    assert parser._option_string_actions["--gdn-gated-output-norm-fusion"] is theirs
+    dests = [a.dest for a in parser._actions]
+    assert dests.count("gdn_gated_output_norm_fusion") == 1
+    assert {"fused_gated_norm", "gdn_out_norm_zero_centered_gamma"} <= set(dests)
+    args = parser.parse_args(["--gdn-gated-output-norm-fusion"])
+    assert args.gdn_gated_output_norm_fusion is True and args.fused_gated_norm is None
+    # the same destination under another option string is the parser's too
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--fuse-gdn-output-norm", dest="gdn_gated_output_norm_fusion",
+                        action="store_true")
+    add_gdn_fusion_args(parser)
+    assert "--gdn-gated-output-norm-fusion" not in parser._option_string_actions
+    # without the stand-in: every flag of ours, once
+    parser = add_gdn_fusion_args(argparse.ArgumentParser(allow_abbrev=False))
+    assert {"--fused-gated-norm", "--gdn-gated-output-norm-fusion",
+            "--gdn-out-norm-zero-centered-gamma"} <= set(parser._option_string_actions)

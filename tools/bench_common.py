@@ -15,9 +15,11 @@ Bytes counted (the minimum a fused kernel must move, used for every implementati
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
+import sys
 
 import torch
 import triton
@@ -203,6 +205,67 @@ def load_fla_rms_norm_gated():
         log(f"fla-core not importable ({e}); FLA peer skipped")
         return None, None
     return rms_norm_gated, getattr(fla, "__version__", "?")
+
+
+MEGATRON_MAIN_MODULE = "megatron.core.fusions.fused_gated_norm"
+MEGATRON_MAIN_FLAG = "--megatron-fused-gated-norm"
+_MEGATRON_MAIN_FILE_MODULE = "_benchmark_megatron_main_fused_gated_norm"
+
+
+def load_megatron_main_fused_gated_norm(path: str | None = None):
+    """Megatron-LM main's ``fused_gated_norm(x, gate, weight, eps, zero_centered=False,
+    gate_activation="silu")`` and where it came from: ``(fn, source)``, or ``(None, why)`` when
+    it is absent. ``path`` (``--megatron-fused-gated-norm``): a .py file defining it, loaded
+    under a private module name; it takes precedence over the installed module. Without a
+    path: the installed ``megatron.core.fusions.fused_gated_norm``, absent from megatron-core
+    releases up to 0.19. A path that does not name an existing .py file, a file that fails to
+    load, or one that defines no callable ``fused_gated_norm`` is a ValueError."""
+    if path is not None:
+        return _load_fused_gated_norm_file(path), f"file {os.path.abspath(path)}"
+    hint = f"{MEGATRON_MAIN_FLAG} FILE.py times Megatron-LM main's file"
+    try:
+        module = importlib.import_module(MEGATRON_MAIN_MODULE)
+    except ImportError as e:
+        if getattr(e, "name", None) == MEGATRON_MAIN_MODULE:
+            return None, f"{_megatron_version()} has no {MEGATRON_MAIN_MODULE}; {hint}"
+        return None, f"{MEGATRON_MAIN_MODULE} not importable ({e}); {hint}"
+    fn = getattr(module, "fused_gated_norm", None)
+    if not callable(fn):
+        return None, f"{MEGATRON_MAIN_MODULE} defines no callable fused_gated_norm"
+    return fn, f"module {MEGATRON_MAIN_MODULE} ({_megatron_version()})"
+
+
+def _megatron_version() -> str:
+    try:
+        from megatron.core import __version__
+    except ImportError:
+        return "the installed megatron"
+    return f"megatron-core {__version__}"
+
+
+def _load_fused_gated_norm_file(path: str):
+    """``fused_gated_norm`` of the .py file at ``path`` (ValueError naming the flag otherwise)."""
+    rule = "must name an existing .py file that defines a callable fused_gated_norm"
+    if not os.path.isfile(path) or not path.endswith(".py"):
+        what = ("a folder" if os.path.isdir(path) else
+                "not a .py file" if os.path.isfile(path) else "no such file")
+        raise ValueError(f"{MEGATRON_MAIN_FLAG} {path!r}: {what}; the path {rule}")
+    spec = importlib.util.spec_from_file_location(_MEGATRON_MAIN_FILE_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MEGATRON_MAIN_FILE_MODULE] = module  # as an import would: found by its name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[_MEGATRON_MAIN_FILE_MODULE]
+        raise ValueError(f"{MEGATRON_MAIN_FLAG} {path!r}: loading it raised "
+                         f"{type(e).__name__}: {e}; the path {rule}") from e
+    fn = getattr(module, "fused_gated_norm", None)
+    if not callable(fn):
+        del sys.modules[_MEGATRON_MAIN_FILE_MODULE]
+        found = "not callable" if hasattr(module, "fused_gated_norm") else "not defined"
+        raise ValueError(f"{MEGATRON_MAIN_FLAG} {path!r}: fused_gated_norm is {found} there; "
+                         f"the path {rule}")
+    return fn
 
 
 def environment(**extra) -> dict:

@@ -14,7 +14,7 @@ from tools.bench_common import log
 
 PHASES = ("fwd", "bwd")
 SAME_BYTES_COPY = "same_bytes_copy"  # a case's key for the copy moving its bytes (GPU time)
-PLOT_ORDER = ("ours", "compile_casts", "compile", "fla", "eager")
+PLOT_ORDER = ("ours", "megatron_main", "compile_casts", "compile", "fla", "eager")
 CSV_FIELDS = ("label", "rows", "impl", "fwd_graph_us", "fwd_graph_pct", "bwd_graph_us",
               "bwd_graph_pct", "fwd_us", "fwd_GBps", "fwd_pct", "bwd_us", "bwd_GBps", "bwd_pct")
 
@@ -56,13 +56,14 @@ def peer_comparison(results: dict) -> list[dict]:
         if totals:
             best = min(totals, key=totals.get)
             floor = t["floor_us"]["fwd"] + t["floor_us"]["bwd"]
-            row["fwd_bwd"] = {"best_peer": best,
-                              "speedup": totals[best] / (ours["fwd_graph_us"] + ours["bwd_graph_us"]),
+            ours_total = ours["fwd_graph_us"] + ours["bwd_graph_us"]
+            row["fwd_bwd"] = {"best_peer": best, "speedup": totals[best] / ours_total,
                               "max_possible_speedup": totals[best] / floor}
         base = plain.get(tuple(t["shape"]))
         if t["variant"] != "plain" and base is not None and "ours" in base["impls"]:
+            base_ours = base["impls"]["ours"]
             row["vs_plain_pct"] = {
-                phase: 100 * (ours[f"{phase}_graph_us"] / base["impls"]["ours"][f"{phase}_graph_us"] - 1)
+                phase: 100 * (ours[f"{phase}_graph_us"] / base_ours[f"{phase}_graph_us"] - 1)
                 for phase in PHASES}
         rows.append(row)
     return rows
@@ -78,46 +79,60 @@ def peer_comparison_lines(rows: list[dict]) -> list[str]:
                 copy = (f", {c['of_same_bytes_copy_pct']:3.0f} % of a copy"
                         if "of_same_bytes_copy_pct" in c else "")
                 parts.append(f"{phase} {c['ours_us']:7.1f} us ({c['ours_pct']:3.0f} %{copy}) vs "
-                             f"{c['best_peer']} {c['best_peer_us']:7.1f}: {c['slower_pct']:+5.1f} %")
+                             f"{c['best_peer']} {c['best_peer_us']:7.1f}: "
+                             f"{c['slower_pct']:+5.1f} %")
         if "fwd_bwd" in row:
             c = row["fwd_bwd"]
             parts.append(f"fwd+bwd {c['speedup']:.2f}x {c['best_peer']} "
                          f"(floor allows {c['max_possible_speedup']:.2f}x)")
         if "vs_plain_pct" in row:
-            parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(**row["vs_plain_pct"]))
+            parts.append("vs plain layout fwd {fwd:+.1f} % bwd {bwd:+.1f} %".format(
+                **row["vs_plain_pct"]))
         for kind in ("failed", "not timed"):
             if row.get(kind):
-                parts.append(f"{kind}: " + ", ".join(f"{name} ({why})" for name, why in row[kind].items()))
+                parts.append(f"{kind}: " + ", ".join(f"{name} ({why})"
+                                                     for name, why in row[kind].items()))
         lines.append(f"  {row['label']:28s} " + (" | ".join(parts) or "no peer timed"))
     return lines
+
+
+def absent_peer_lines(results: dict) -> list[str]:
+    """One line per peer asked for but not available in that run (``absent_peers``; a result
+    without that key names none), saying why."""
+    return [f"{name} absent: {why}" for name, why in results.get("absent_peers", {}).items()]
 
 
 def summary_lines(results: dict) -> list[str]:
     """The table printed at the end of a run: per case, the floor and every implementation."""
     env = results["env"]
-    lines = [f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  fla {env.get('fla')}  "
-             f"copy ceiling {results['ceiling']['GBps']:.0f} GB/s",
+    megatron = f"  megatron_main {env['megatron_main']}" if env.get("megatron_main") else ""
+    lines = [f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  fla {env.get('fla')}"
+             f"{megatron}  copy ceiling {results['ceiling']['GBps']:.0f} GB/s",
              f"{'shape':30s} {'impl':14s} {'fwd us':>8s} {'%':>4s} | {'bwd us':>8s} {'%':>4s} "
-             f"|| eager: {'fwd us':>8s} {'bwd us':>8s}   (GPU time in a CUDA graph; % of the ceiling)"]
+             f"|| eager: {'fwd us':>8s} {'bwd us':>8s}   (GPU time in a CUDA graph; % of the "
+             "ceiling)"]
     for entry in results["timings"]:
         floor = entry["floor_us"]
-        lines.append(f"{entry['label']:30s} {'floor':14s} {floor['fwd']:8.1f} {'':>4s} | {floor['bwd']:8.1f}")
+        lines.append(f"{entry['label']:30s} {'floor':14s} {floor['fwd']:8.1f} {'':>4s} | "
+                     f"{floor['bwd']:8.1f}")
         copy = entry.get(SAME_BYTES_COPY)
         if copy is not None:
             lines.append(f"{'':30s} {'same-bytes copy':14s} {copy['fwd_graph_us']:8.1f} "
                          f"{copy['fwd_graph_pct']:4.0f} | {copy['bwd_graph_us']:8.1f} "
                          f"{copy['bwd_graph_pct']:4.0f}")
         for name, r in entry["impls"].items():
-            lines.append(f"{'':30s} {name:14s} {r['fwd_graph_us']:8.1f} {r['fwd_graph_pct']:4.0f} | "
-                         f"{r['bwd_graph_us']:8.1f} {r['bwd_graph_pct']:4.0f} ||        "
-                         f"{r['fwd_us']:8.1f} {r['bwd_us']:8.1f}")
+            lines.append(f"{'':30s} {name:14s} {r['fwd_graph_us']:8.1f} "
+                         f"{r['fwd_graph_pct']:4.0f} | {r['bwd_graph_us']:8.1f} "
+                         f"{r['bwd_graph_pct']:4.0f} ||        {r['fwd_us']:8.1f} "
+                         f"{r['bwd_us']:8.1f}")
         if entry.get("inference"):
             lines.append(f"{'':30s} inference entry: {entry['inference']}")
     units = results.get("host_cost", {}).get("own_work_units")
     if units:
+        quartiles = "; " + _quartiles_text(units) if "quartiles" in units else ""
         lines.append(f"host: own work of one eager forward + backward through autograd "
                      f"{units['median']:.1f} tiny torch ops (median of {len(units['per_round'])} "
-                     f"interleaved rounds{'; ' + _quartiles_text(units) if 'quartiles' in units else ''})")
+                     f"interleaved rounds{quartiles})")
         signature = results["host_cost"].get("same_signature_units")
         if signature:
             spread = f" ({_quartiles_text(signature)})" if "quartiles" in signature else ""
@@ -193,9 +208,10 @@ def plot(results: dict, path: str) -> None:
 
 
 def write_report(results: dict, out_dir: str) -> None:
-    """Print the comparison and (re)write benchmark.csv and benchmark.png under ``out_dir``."""
+    """Print the absent peers and the comparison, and (re)write benchmark.csv and benchmark.png
+    under ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
-    for line in peer_comparison_lines(peer_comparison(results)):
+    for line in absent_peer_lines(results) + peer_comparison_lines(peer_comparison(results)):
         log(line)
     write_csv(results, os.path.join(out_dir, "benchmark.csv"))
     plot(results, os.path.join(out_dir, "benchmark.png"))

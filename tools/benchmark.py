@@ -1,11 +1,15 @@
 """Benchmark of the fused gated norm against its peers, on one GPU, in one process.
 
     python tools/benchmark.py [--out DIR] [--quick]       # GPU: benchmark.json, .csv, .png
+    python tools/benchmark.py --megatron-fused-gated-norm FILE.py   # megatron main's kernel too
     python tools/benchmark.py --report FILE.json [--out DIR]   # no GPU: comparison, CSV, plot
 
 Per shape, forward and backward separately, of: ours, the unfused Megatron path (eager), its
 torch.compile (default, and with emulate_precision_casts=True, which keeps the intermediate bf16
-rounding) and FLA's rms_norm_gated (when fla-core is importable). Each is timed as GPU time (the
+rounding), FLA's rms_norm_gated (when fla-core is importable) and Megatron-LM main's
+fused_gated_norm (``megatron_main``: the installed megatron.core.fusions.fused_gated_norm, or the
+.py file given by --megatron-fused-gated-norm; its limits: power-of-two head dims, output
+contiguous in bshd, so the sbhd case pays the transpose copy). Each is timed as GPU time (the
 call captured in a CUDA graph and replayed) and eagerly (do_bench after its L2 flush, which hides
 the host's launch work behind the flush: GPU-dominated, not a host cost), and reported
 as us, GB/s and % of the copy ceiling measured at the start of the same run, next to a plain
@@ -32,10 +36,12 @@ from core.fusions import fused_gdn_gated_rms_norm  # noqa: E402
 from core.fusions.fused_gated_norm import fused_gated_norm  # noqa: E402
 from core.fusions.gated_norm_reference import unfused_gated_norm  # noqa: E402
 from tools import bench_report, host_cost  # noqa: E402
-from tools.bench_common import (DEVICE, DTYPE, EPS, bench, bench_graph, bytes_moved,  # noqa: E402
-                                capture, copy_ceiling, environment, gbps, load_fla_rms_norm_gated,
-                                log, make_inputs, pct_of_ceiling, require_cuda,
-                                same_bytes_copy_us, shape_label, write_json)
+from tools.bench_common import (DEVICE, DTYPE, EPS, MEGATRON_MAIN_FLAG,  # noqa: E402
+                                bench, bench_graph, bytes_moved, capture, copy_ceiling,
+                                environment, gbps, load_fla_rms_norm_gated,
+                                load_megatron_main_fused_gated_norm, log, make_inputs,
+                                pct_of_ceiling, require_cuda, same_bytes_copy_us, shape_label,
+                                write_json)
 
 # Model shapes [B, S, H, D] (Qwen3-Next's GDN: 32 value heads of 128 at TP 1), then what one
 # tensor-parallel rank holds: 4-32 heads of 128 at S = 4096 and 8192, and 8 or 16 heads of 256.
@@ -48,14 +54,20 @@ QUICK_SHAPES = [(1, 4096, 32, 128), (2, 8192, 32, 128)]
 # layout of the same shape.
 VARIANTS = [((1, 4096, 32, 128), "strided_gate"), ((1, 4096, 32, 128), "sbhd"),
             ((2, 8192, 32, 128), "strided_gate")]
-IMPLS = ("ours", "eager", "compile", "compile_casts", "fla")
+IMPLS = ("ours", "eager", "compile", "compile_casts", "fla", "megatron_main")
 SERVING_TOKENS = (1, 64, 1024, 8192, 65536)
 SERVING_HEADS, SERVING_DIM = 32, 128
 
 
-def implementations(fla_fn) -> dict:
+class PeerRefused(Exception):
+    """A peer does not take a case's inputs (its documented limits): the case records it as not
+    timed, with the reason, and the run goes on."""
+
+
+def implementations(fla_fn, megatron_main_fn=None) -> dict:
     """name -> fn(x, gate, weight, sbhd) returning a [B, S, H, D] (bshd) or [S, B, H, D] (sbhd)
-    output, the way a user of that peer would produce the layer's output."""
+    output, the way a user of that peer would produce the layer's output. A peer may raise
+    PeerRefused for inputs outside its contract."""
 
     def ours(x, g, w, sbhd):
         out = fused_gated_norm(x, g, w, EPS, out_layout="sbhd" if sbhd else "bshd")
@@ -75,6 +87,18 @@ def implementations(fla_fn) -> dict:
             out = fla_fn(x, g, w, None, activation="swish", eps=EPS)
             return out.transpose(0, 1).contiguous() if sbhd else out
         impls["fla"] = fla
+    if megatron_main_fn is not None:
+        def megatron_main(x, g, w, sbhd):
+            dim = x.shape[-1]
+            if dim & (dim - 1):
+                raise PeerRefused(f"head dim {dim}: megatron main's kernels take power-of-two "
+                                  "head dims only")
+            try:
+                out = megatron_main_fn(x, g, w, EPS)
+            except (ValueError, NotImplementedError) as e:  # its way of refusing an input
+                raise PeerRefused(f"refused: {type(e).__name__}: {e}") from e
+            return out.transpose(0, 1).contiguous() if sbhd else out  # its output is bshd
+        impls["megatron_main"] = megatron_main
     return impls
 
 
@@ -117,7 +141,8 @@ def with_rates(times: dict, nbytes: dict, ceiling: float) -> dict:
     for phase in ("fwd", "bwd"):
         result[f"{phase}_GBps"] = gbps(nbytes[phase], times[f"{phase}_us"])
         result[f"{phase}_pct"] = pct_of_ceiling(nbytes[phase], times[f"{phase}_us"], ceiling)
-        result[f"{phase}_graph_pct"] = pct_of_ceiling(nbytes[phase], times[f"{phase}_graph_us"], ceiling)
+        result[f"{phase}_graph_pct"] = pct_of_ceiling(nbytes[phase], times[f"{phase}_graph_us"],
+                                                      ceiling)
     return result
 
 
@@ -167,14 +192,33 @@ def warm_up_capture() -> None:
             log(f"warm-up capture failed ({e}); later captures are expected to work")
 
 
-def run(shapes, variants, impl_names, out_dir: str) -> dict:
+def run(shapes, variants, impl_names, out_dir: str, megatron_main=None) -> dict:
+    """Times ``impl_names`` at ``shapes`` (plain layout) and ``variants``, writing benchmark.json
+    into ``out_dir`` after each case. ``megatron_main``: what
+    bench_common.load_megatron_main_fused_gated_norm returned, (fn, source) or (None, why);
+    default: that function's auto-detection, when megatron_main is among ``impl_names``. A
+    requested peer that is not available is left out, and ``absent_peers`` says why."""
     fla_fn, fla_version = load_fla_rms_norm_gated()
-    results = {"env": environment(fla=fla_version)}
+    megatron_main_fn, megatron_main_source = None, None
+    if "megatron_main" in impl_names:
+        megatron_main_fn, megatron_main_source = (megatron_main
+                                                  or load_megatron_main_fused_gated_norm())
+    results = {"env": environment(fla=fla_version, megatron_main=megatron_main_source
+                                  if megatron_main_fn is not None else None)}
     log(json.dumps(results["env"]))
+    absent = {}
+    if "fla" in impl_names and fla_fn is None:
+        absent["fla"] = "fla-core not importable"
+    if "megatron_main" in impl_names and megatron_main_fn is None:
+        absent["megatron_main"] = megatron_main_source
+    results["absent_peers"] = absent
+    for name, why in absent.items():
+        log(f"{name} absent: {why}")
     results["ceiling"] = copy_ceiling()
     ceiling = results["ceiling"]["GBps"]
     log(f"copy ceiling: {ceiling:.0f} GB/s")
-    impls = {k: v for k, v in implementations(fla_fn).items() if k in impl_names}
+    impls = {k: v for k, v in implementations(fla_fn, megatron_main_fn).items()
+             if k in impl_names}
     warm_up_capture()
     results["timings"] = []
     for shape, variant in [(s, "plain") for s in shapes] + variants:
@@ -193,13 +237,18 @@ def run(shapes, variants, impl_names, out_dir: str) -> dict:
                 continue
             try:
                 times = time_impl(fn, shape, variant)
+            except PeerRefused as e:
+                entry.setdefault("not_timed", {})[name] = str(e)
+                log(f"{label} {name}: not timed, {e}")
+                continue
             except Exception as e:  # noqa: BLE001 - a peer that fails at one shape is reported
                 entry.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
                 log(f"{label} {name}: {entry['errors'][name]}")
                 continue
             entry["impls"][name] = with_rates(times, nbytes, ceiling)
             log(f"{label:28s} {name:14s} graph fwd {times['fwd_graph_us']:8.1f} us  bwd "
-                f"{times['bwd_graph_us']:8.1f} us | eager fwd {times['fwd_us']:8.1f}  bwd {times['bwd_us']:8.1f}")
+                f"{times['bwd_graph_us']:8.1f} us | eager fwd {times['fwd_us']:8.1f}  bwd "
+                f"{times['bwd_us']:8.1f}")
         if variant == "plain":
             entry["inference"] = inference_at_shape(shape, fla_fn)
         results["timings"].append(entry)
@@ -217,16 +266,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="out/benchmark",
                         help="folder for benchmark.json, benchmark.csv and benchmark.png")
     parser.add_argument("--quick", action="store_true",
-                        help=f"only {', '.join(shape_label(s) for s in QUICK_SHAPES)}, no layout variants")
+                        help=f"only {', '.join(shape_label(s) for s in QUICK_SHAPES)}, "
+                             "no layout variants")
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help="comma-separated implementations to time, of " + ", ".join(IMPLS))
     parser.add_argument("--report", metavar="JSON",
                         help="time nothing: print the comparison of a recorded benchmark.json and "
                              "write its CSV and plot into --out (no GPU needed)")
+    parser.add_argument(MEGATRON_MAIN_FLAG, metavar="FILE.py",
+                        help="time the fused_gated_norm of this file (Megatron-LM main's "
+                             "megatron/core/fusions/fused_gated_norm.py) as megatron_main; "
+                             "default: the installed megatron's, when it has that module")
     args = parser.parse_args(argv)
     unknown = set(args.impls.split(",")) - set(IMPLS)
     if unknown:
         parser.error(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+    if args.megatron_fused_gated_norm and "megatron_main" not in args.impls.split(","):
+        parser.error(f"{MEGATRON_MAIN_FLAG} names the megatron_main peer, which --impls "
+                     "leaves out")
+    if args.megatron_fused_gated_norm and args.report:
+        parser.error(f"{MEGATRON_MAIN_FLAG} names a peer to time; --report times nothing")
     return args
 
 
@@ -241,9 +300,13 @@ def main(argv=None) -> None:
                              f"'timings'; this one: {keys})")
         bench_report.write_report(results, args.out)
         return
+    impl_names = args.impls.split(",")
+    megatron_main = None
+    if args.megatron_fused_gated_norm:  # a bad path fails here, before the GPU is needed
+        megatron_main = load_megatron_main_fused_gated_norm(args.megatron_fused_gated_norm)
     require_cuda("benchmark.py")
     shapes, variants = (QUICK_SHAPES, []) if args.quick else (SHAPES, VARIANTS)
-    results = run(shapes, variants, args.impls.split(","), args.out)
+    results = run(shapes, variants, impl_names, args.out, megatron_main)
     for line in bench_report.summary_lines(results):
         log(line)
     bench_report.write_report(results, args.out)

@@ -1,7 +1,11 @@
 """tools/bench_common.py, the measurement scripts' shared helpers, on the CPU: shapes, byte
-counts, rates, the benchmark's inputs and its same-bytes copy."""
+counts, rates, the benchmark's inputs, its same-bytes copy, and where megatron main's
+fused_gated_norm comes from."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
@@ -44,7 +48,8 @@ def test_shape_label():
 def test_bytes_moved_and_rates():
     elements, rows = 1 * 4096 * 32 * 128, 1 * 4096 * 32
     moved = bytes_moved((1, 4096, 32, 128))
-    assert moved == {"fwd": 6 * elements + 4 * rows, "bwd": 10 * elements + 4 * rows, "infer": 6 * elements}
+    assert moved == {"fwd": 6 * elements + 4 * rows, "bwd": 10 * elements + 4 * rows,
+                     "infer": 6 * elements}
     assert gbps(4_000_000, 1000.0) == pytest.approx(4.0)  # 4 MB in 1 ms
     assert pct_of_ceiling(4_000_000, 1000.0, 8.0) == pytest.approx(50.0)
 
@@ -100,3 +105,86 @@ def test_strided_gate_is_a_slice_of_the_packed_projection():
     assert all(t.requires_grad for t in leaves)
     again = make_inputs((2, 3, 4, 8), "strided_gate", device="cpu")
     assert torch.equal(again[0], x)  # seeded
+
+
+STAND_IN = '''import torch
+
+
+def fused_gated_norm(x, gate, weight, eps, zero_centered=False, gate_activation="silu"):
+    xf = x.float()
+    norm = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+            * (weight.float() + zero_centered)).to(x.dtype)
+    return (norm.float() * torch.nn.functional.silu(gate.float())).to(x.dtype)
+'''
+
+LOADED_FILE_MODULE = bench_common._MEGATRON_MAIN_FILE_MODULE
+
+
+@pytest.fixture(autouse=True)
+def _forget_a_loaded_file():
+    yield
+    sys.modules.pop(LOADED_FILE_MODULE, None)
+
+
+def test_megatron_main_from_a_file(tmp_path):
+    path = tmp_path / "fused_gated_norm.py"
+    path.write_text(STAND_IN)
+    fn, source = bench_common.load_megatron_main_fused_gated_norm(str(path))
+    assert source == f"file {path}"
+    x, gate = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
+    out = fn(x, gate, torch.ones(8), 1e-6)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (8,), eps=1e-6)
+                               * torch.nn.functional.silu(gate))
+
+
+@pytest.mark.parametrize("case, body, why", [
+    ("missing", None, "no such file"),
+    ("not_python.txt", STAND_IN, "not a .py file"),
+    ("no_function.py", "import torch\n", "fused_gated_norm is not defined there"),
+    ("not_callable.py", "fused_gated_norm = 3\n", "fused_gated_norm is not callable there"),
+    ("broken.py", "import no_such_module_here\n", "loading it raised ModuleNotFoundError"),
+])
+def test_megatron_main_file_errors_name_the_flag_and_the_rule(tmp_path, case, body, why):
+    path = tmp_path / case
+    if body is not None:
+        path.write_text(body)
+    with pytest.raises(ValueError, match=r"--megatron-fused-gated-norm .*" + why
+                       + r".*must name an existing \.py file that defines a callable "
+                         r"fused_gated_norm"):
+        bench_common.load_megatron_main_fused_gated_norm(str(path))
+    assert LOADED_FILE_MODULE not in sys.modules  # nothing half-loaded is left behind
+
+
+def test_megatron_main_file_error_for_a_folder(tmp_path):
+    folder = tmp_path / "megatron.py"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="--megatron-fused-gated-norm .*a folder; the path"):
+        bench_common.load_megatron_main_fused_gated_norm(str(folder))
+
+
+def test_megatron_main_is_found_in_the_installed_megatron(monkeypatch):
+    """Auto-detection: a megatron that has megatron.core.fusions.fused_gated_norm (Megatron-LM
+    main; a stand-in module here) provides the peer."""
+    def fused_gated_norm(x, gate, weight, eps, zero_centered=False, gate_activation="silu"):
+        return x
+
+    module = types.ModuleType(bench_common.MEGATRON_MAIN_MODULE)
+    module.fused_gated_norm = fused_gated_norm
+    monkeypatch.setitem(sys.modules, bench_common.MEGATRON_MAIN_MODULE, module)
+    fn, source = bench_common.load_megatron_main_fused_gated_norm()
+    assert fn is fused_gated_norm
+    assert source.startswith("module megatron.core.fusions.fused_gated_norm (")
+
+
+def test_megatron_main_absent_says_why(monkeypatch):
+    # None in sys.modules: importing the module fails as for a megatron-core release without it
+    monkeypatch.setitem(sys.modules, bench_common.MEGATRON_MAIN_MODULE, None)
+    fn, why = bench_common.load_megatron_main_fused_gated_norm()
+    assert fn is None
+    assert why.endswith("has no megatron.core.fusions.fused_gated_norm; "
+                        "--megatron-fused-gated-norm FILE.py times Megatron-LM main's file")
+    monkeypatch.setitem(sys.modules, bench_common.MEGATRON_MAIN_MODULE,
+                        types.ModuleType(bench_common.MEGATRON_MAIN_MODULE))
+    fn, why = bench_common.load_megatron_main_fused_gated_norm()
+    assert fn is None and why.endswith("defines no callable fused_gated_norm")

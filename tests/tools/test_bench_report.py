@@ -26,22 +26,24 @@ def impl(fwd_graph, bwd_graph, ceiling=4000.0, nbytes=(6e6, 10e6)):
 
 
 def case(shape, variant, impls):
-    return {"label": benchmark.shape_label(shape, variant), "shape": list(shape), "variant": variant,
-            "rows": shape[0] * shape[1] * shape[2], "floor_us": {"fwd": 1.5, "bwd": 2.5},
-            "impls": impls}
+    return {"label": benchmark.shape_label(shape, variant), "shape": list(shape),
+            "variant": variant, "rows": shape[0] * shape[1] * shape[2],
+            "floor_us": {"fwd": 1.5, "bwd": 2.5}, "impls": impls}
 
 
 @pytest.fixture
 def results():
     shape = (1, 64, 4, 128)
-    return {"env": {"gpu": "Test GPU", "torch": "2.x", "triton": "3.x", "fla": None, "date": "2026-01-01"},
+    return {"env": {"gpu": "Test GPU", "torch": "2.x", "triton": "3.x", "fla": None,
+                    "date": "2026-01-01"},
             "ceiling": {"us": 1.0, "GBps": 4000.0},
             "timings": [{**case(shape, "plain", {"ours": impl(2.0, 3.0), "eager": impl(8.0, 9.0),
                                                  "fla": impl(1.9, 4.0),
                                                  "compile": impl(2.5, float("nan"))}),
                          "same_bytes_copy": {"fwd_graph_us": 1.6, "fwd_graph_pct": 94.0,
                                              "bwd_graph_us": 2.7, "bwd_graph_pct": 93.0}},
-                        case(shape, "strided_gate", {"ours": impl(2.2, 3.3), "fla": impl(6.0, 4.0)})]}
+                        case(shape, "strided_gate", {"ours": impl(2.2, 3.3),
+                                                     "fla": impl(6.0, 4.0)})]}
 
 
 def test_peer_comparison_picks_the_fastest_peer_per_phase(results):
@@ -65,10 +67,12 @@ def test_report_writes_csv_and_plot(results, tmp_path, capsys):
     assert "ours vs the fastest peer" in capsys.readouterr().out
     with open(tmp_path / "benchmark.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["label"], r["impl"]) for r in rows][:2] == [("1x64x4x128", "ours"), ("1x64x4x128", "eager")]
+    assert [(r["label"], r["impl"]) for r in rows][:2] == [("1x64x4x128", "ours"),
+                                                           ("1x64x4x128", "eager")]
     assert len(rows) == 7 and float(rows[0]["fwd_graph_us"]) == 2.0
     copy = rows[4]
-    assert (copy["impl"], float(copy["bwd_graph_us"]), copy["fwd_us"]) == ("same_bytes_copy", 2.7, "")
+    assert (copy["impl"], float(copy["bwd_graph_us"]), copy["fwd_us"]) == (
+        "same_bytes_copy", 2.7, "")
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
 
 
@@ -97,50 +101,6 @@ def test_report_of_the_recorded_run_needs_no_gpu(tmp_path, capsys):
         if "fwd_bwd" in row:  # no kernel beats the memory floor
             assert 0 < row["fwd_bwd"]["speedup"] < row["fwd_bwd"]["max_possible_speedup"]
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
-
-
-@pytest.mark.interpreter
-def test_a_run_on_the_cpu_writes_what_the_report_reads(monkeypatch, tmp_path):
-    """benchmark.run end to end on tiny shapes, with the GPU-only timers replaced by one call
-    each (their arithmetic is tested above): the JSON it writes is what the report reads."""
-    from tools import bench_common
-
-    calls = []
-
-    def one_call(fn, *args, **kwargs):
-        calls.append(fn())
-        return float(len(calls))  # later calls take longer: fwd + bwd > fwd
-
-    monkeypatch.setattr(bench_common, "DEVICE", "cpu")
-    monkeypatch.setattr(benchmark, "DEVICE", "cpu")
-    for name in ("bench", "bench_graph"):
-        monkeypatch.setattr(benchmark, name, one_call)
-    monkeypatch.setattr(bench_common, "bench_graph", one_call)  # the same-bytes copy's timer
-    monkeypatch.setattr(benchmark, "copy_ceiling", lambda: {"us": 1.0, "GBps": 4000.0})
-    monkeypatch.setattr(benchmark, "environment", lambda **extra: {
-        "gpu": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01", **extra})
-    monkeypatch.setattr(benchmark, "warm_up_capture", lambda: None)
-    monkeypatch.setattr(benchmark, "load_fla_rms_norm_gated", lambda: (None, None))  # FLA needs a GPU
-    monkeypatch.setattr(benchmark, "SERVING_TOKENS", (1, 3))
-    monkeypatch.setattr(benchmark.host_cost, "host_cost", lambda: {"validation_us": 1.0})
-    shape = (1, 4, 2, 64)
-    results = benchmark.run([shape], [(shape, "strided_gate"), (shape, "sbhd")], ["ours", "eager"],
-                            str(tmp_path))
-    assert json.loads((tmp_path / "benchmark.json").read_text())["timings"] == json.loads(
-        json.dumps(results["timings"]))
-    assert [t["label"] for t in results["timings"]] == ["1x4x2x64", "1x4x2x64 strided_gate", "1x4x2x64 sbhd"]
-    for entry in results["timings"]:
-        assert set(entry["impls"]) == {"ours", "eager"} and "errors" not in entry
-        assert entry["impls"]["ours"]["bwd_graph_us"] == 1.0  # fwd+bwd graph minus fwd graph
-        copy = entry["same_bytes_copy"]
-        assert copy["bwd_graph_us"] == copy["fwd_graph_us"] + 1  # timed one after the other
-        assert copy["fwd_graph_pct"] == pytest.approx(
-            bench_common.pct_of_ceiling(entry["bytes"]["fwd"], copy["fwd_graph_us"], 4000.0))
-    assert set(results["timings"][0]["inference"]) == {"ours_us"}
-    assert [r["tokens"] for r in results["inference_serving"]] == [1, 3]
-    assert results["host_cost"] == {"validation_us": 1.0}
-    assert len(results["vs_peers"]) == 3 and "vs_plain_pct" in results["vs_peers"][1]
-    bench_report.write_report(results, str(tmp_path))
 
 
 def test_report_names_a_file_of_another_kind(tmp_path):
@@ -190,3 +150,20 @@ def test_host_lines_give_the_quartiles_where_recorded(results):
         del units["quartiles"]
     own, signature = bench_report.summary_lines(results)[-2:]
     assert own.endswith("(median of 3 interleaved rounds)") and signature.endswith("each way: 3.0")
+
+
+def test_absent_peers_are_named_first_and_the_megatron_source_in_the_header(results, tmp_path,
+                                                                            capsys):
+    assert bench_report.absent_peer_lines(results) == []  # a result that records none
+    results["absent_peers"] = {"megatron_main": "no megatron.core.fusions.fused_gated_norm"}
+    results["env"]["megatron_main"] = "file /src/fused_gated_norm.py"
+    bench_report.write_report(results, str(tmp_path))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["megatron_main absent: no megatron.core.fusions.fused_gated_norm",
+                           "ours vs the fastest peer, GPU time (+ = ours slower):"]
+    assert "fla None  megatron_main file /src/fused_gated_norm.py  copy ceiling" in (
+        bench_report.summary_lines(results)[0])
+
+
+def test_every_implementation_has_a_bar_in_the_plot():
+    assert set(benchmark.IMPLS) <= set(bench_report.PLOT_ORDER)

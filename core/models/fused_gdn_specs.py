@@ -6,15 +6,12 @@ themselves, for megatron's own ``pretrain_gpt.py`` and ``pretrain_hybrid.py``, u
     pretrain_hybrid.py ... --hybrid-layer-pattern "GGG*GGG*" \\
                            --spec core.models.fused_gdn_specs hybrid_stack_spec
 
-Those scripts build megatron's own TransformerConfig, which has no ``fused_gated_norm`` field,
-and their command line has no flag for it. These specs carry the switch: their GDN layers are
-``core.ssm.GatedDeltaNet`` with the spec param ``fused_gated_norm=True``
-(``core.models.use_fused_gdn(spec, fused_gated_norm=True)``). The layer checks at construction
-what the config's flag would check (RMSNorm, a silu or sigmoid gate, eps).
-
-With this package's TransformerConfig (``core.training.transformer_config_from_args``, the
-``--fused-gated-norm`` flag) the config switches the fusion; these specs then need the flag on
-too (a disagreement raises at construction).
+Those scripts build megatron's own TransformerConfig, which has no fusion field. These specs
+carry the switch: their GDN layers are ``core.ssm.GatedDeltaNet`` with the spec param
+``fused_gated_norm=True`` (``core.models.use_fused_gdn(spec)``). The layer checks at
+construction what the config's flag would check (RMSNorm, a silu or sigmoid gate, eps). A
+config that turns the fusion off explicitly (``fused_gated_norm=False`` or
+``gdn_gated_output_norm_fusion=False``) fails the build, saying how to fix it.
 
 Any other name asked of this module raises an AttributeError that lists :data:`SPEC_NAMES`.
 megatron's ``--spec`` reads ``vars(module)[name]``, which bypasses that and raises a bare

@@ -80,8 +80,8 @@ _MegatronGatedDeltaNet = import_megatron_gdn().GatedDeltaNet
 class GatedDeltaNet(_MegatronGatedDeltaNet):
     """megatron-core's GatedDeltaNet; ``config.fused_gated_norm`` switches the output norm and
     gate to the fused kernel. Constructor arguments are megatron's, and ``fused_gated_norm``: a
-    spec param (``core.models.use_fused_gdn(spec, fused_gated_norm=True)``) that switches it
-    where the config has no such field, such as megatron's own TransformerConfig; None (no
+    spec param (set by ``core.models.use_fused_gdn(spec)``) that switches it on where the config
+    has no such field, such as megatron's own TransformerConfig, or leaves it unset; None (no
     param) leaves it to the config (``validate_gdn_config``).
 
     ``out_norm_grad_scales``: per parameter of out_norm (``"weight"``, and ``"bias"`` where the

@@ -61,7 +61,7 @@ def assert_bitwise_or_within_ulps(out, ref, max_ulps: int | None = 1, min_bitwis
 def gradients(fn, x, gate, weight, dy, zero_centered=False, activation="silu") -> tuple:
     """(dx, dgate, dweight) of ``fn`` (fused_gated_norm or unfused_gated_norm) at these inputs."""
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    out = fn(*leaves, EPS, zero_centered, activation=activation)
+    out = fn(*leaves, EPS, zero_centered, activation)  # the sixth parameter of both
     return torch.autograd.grad(out, leaves, dy)
 
 

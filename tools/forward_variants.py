@@ -26,6 +26,8 @@ from tools.bench_common import (bench, bytes_moved, copy_ceiling, environment,  
                                 pct_of_ceiling, require_cuda)
 
 import core.fusions.fused_gated_norm as _fgn  # noqa: E402
+import core.fusions.gated_norm_kernels as _kernels  # noqa: E402
+from core.fusions.gated_norm_plans import COMPILE_OPTIONS  # noqa: E402
 
 
 @triton.jit
@@ -50,10 +52,10 @@ def _block(x, gate, w, out, rstd, block, ROWS, D: tl.constexpr, EPS, BT: tl.cons
         xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
     # the shipped kernel's arithmetic (its activation and roundings)
-    act = _fgn._activation(gv, "silu")
+    act = _kernels._activation(gv, "silu")
     r = tl.math.rsqrt(tl.sum(xv * xv, axis=1) / D + EPS)
-    y = _fgn._round_to(xv * r[:, None] * w[None, :], tl.bfloat16) * act
-    y = _fgn._round_to(y, tl.bfloat16).to(tl.bfloat16)
+    y = _kernels._round_to(xv * r[:, None] * w[None, :], tl.bfloat16) * act
+    y = _kernels._round_to(y, tl.bfloat16).to(tl.bfloat16)
     if STREAM_STORE:
         tl.store(out + offs, y, mask=mask, cache_modifier=".cs")
     else:
@@ -99,7 +101,7 @@ def variant_launches(x, gate, weight, out, rstd, eps, programs_cap=132 * 16):
 
         def launch(grid=grid, bt=bt, warps=warps, flags=(loop, off32, evict, cs)):
             contiguous_fwd[(grid,)](x, gate, weight, out, rstd, rows, dim, eps, bt, block_d,
-                                    *flags, num_warps=warps, **_fgn.COMPILE_OPTIONS)
+                                    *flags, num_warps=warps, **COMPILE_OPTIONS)
         launches.append((name, launch))
     return launches
 

@@ -24,11 +24,12 @@ from tools.bench_common import (EPS, bench_graph, environment, log, make_inputs,
                                 parse_shape, require_cuda, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
 from core.fusions.gated_norm_reference import (bitwise_share, relative_error,  # noqa: E402
                                                ulp_distance, unfused_gated_norm)
 
 DEFAULT_SHAPES = "1x4096x32x128,1x4096x8x128,1x4096x8x256"
-LAUNCHERS = (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum)
+LAUNCHERS = (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum)
 GRADIENTS = ("dx", "dgate", "dweight")
 
 

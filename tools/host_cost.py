@@ -15,7 +15,8 @@ the host's speed during the run falls on all of them alike (median and quartiles
 ``same_signature_units`` is the same formula for a Function of our signature that launches one
 tiny kernel each way and does nothing else, timed in the same rounds: the part of the figure
 that autograd charges for the signature alone.
-``backward_impl_in_autograd_us`` is ``backward_impl`` timed inside the backward through autograd,
+``backward_impl_in_autograd_us`` is the backward's own path (``autograd_backward``: its station
+and launches, as the Function's backward runs it) timed inside the backward through autograd,
 which the engine runs on its own thread for CUDA tensors, next to ``backward_impl_us`` called
 directly in a loop and ``backward_impl_after_autograd_us`` called on this thread once after each
 backward of a trivial Function: the last two tell the engine's round trip from its thread.
@@ -36,6 +37,8 @@ from core.fusions import fused_gdn_gated_rms_norm  # noqa: E402
 from tools.bench_common import EPS, make_inputs, measure_and_write  # noqa: E402
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
+from core.fusions.gated_norm_kernels import ForwardArgs  # noqa: E402
 
 ROUNDS, CALLS, WARMUP = 5, 600, 50
 INTERLEAVED_ROUNDS, INTERLEAVED_CALLS = 15, 200
@@ -187,9 +190,9 @@ class _RecordingKernel:
 
 def forward_launch_arguments(x, gate, weight):
     """(grid, tensors, scalars, warps, options) exactly as forward_impl's launcher hands them to
-    ``kernel[grid]`` (options: its compile options, and launch_pdl where the GPU takes
-    programmatic dependent launch)."""
-    launcher, recorder = fgn.launch_forward, _RecordingKernel()
+    ``kernel[grid]`` (scalars: the kernel's ``ForwardArgs``; options: its compile options, and
+    launch_pdl where the GPU takes programmatic dependent launch)."""
+    launcher, recorder = plans.launch_forward, _RecordingKernel()
     kernel, compiled = launcher.kernel, launcher.compiled
     launcher.kernel, launcher.compiled = recorder, {}  # every launch reaches the recorder
     try:
@@ -197,7 +200,8 @@ def forward_launch_arguments(x, gate, weight):
     finally:
         launcher.kernel, launcher.compiled = kernel, compiled
     grid, args, warps, options = recorder.launches[0]
-    return grid, args[:5], args[5:], warps, options
+    tensors = len(args) - len(ForwardArgs._fields)
+    return grid, args[:tensors], ForwardArgs(*args[tensors:]), warps, options
 
 
 class _Scale(torch.autograd.Function):
@@ -233,7 +237,7 @@ def own_work_calls(x, g, w, dy, leaves, tiny: torch.Tensor) -> dict:
     op adds 1 to ``tiny``."""
     out = fgn.fused_gated_norm(x, g, w, EPS)
     ref_out = _Scale.apply(x)
-    options = (EPS, False, "bshd", "silu", 1.0)  # as apply_validated_gated_norm passes them
+    options = (EPS, False, "bshd", "silu", 1.0, 0)  # as apply_validated_gated_norm passes them
     same_signature_out = _SameSignature.apply(x, g, w, options)
     return {"forward_autograd_us": lambda: fgn.fused_gated_norm(x, g, w, EPS),
             "backward_autograd_us": lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True),
@@ -261,7 +265,7 @@ def training_host_cost(timer: HostTimer) -> None:
     # The same backward_impl as the autograd engine runs it (on its device thread for CUDA),
     # and on this thread, one call after each backward of the trivial Function: what the call
     # costs after an engine round trip, whichever thread runs it.
-    measure_inside(timer, "backward_impl_in_autograd_us", fgn, "_backward",
+    measure_inside(timer, "backward_impl_in_autograd_us", fgn, "autograd_backward",
                    own_work["backward_autograd_us"])
     measure_after(timer, "backward_impl_after_autograd_us",
                   own_work["ref_autograd_function_backward_us"],
@@ -274,10 +278,10 @@ def training_host_cost(timer: HostTimer) -> None:
                   lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps, **options))
     pdl = options.get("launch_pdl", False)  # the launcher adds its compile options itself
     timer.measure("direct_launcher_us",
-                  lambda: fgn.launch_forward(grid, tensors, scalars, warps, launch_pdl=pdl))
-    prepared = fgn.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps, pdl)
+                  lambda: plans.launch_forward(grid, tensors, scalars, warps, launch_pdl=pdl))
+    prepared = plans.launch_forward.prepare(tuple(t.dtype for t in tensors), scalars, warps, pdl)
     timer.measure("direct_launcher_prepared_us",
-                  lambda: fgn.launch_forward.launch(grid, tensors, prepared))
+                  lambda: plans.launch_forward.launch(grid, tensors, prepared))
     timer.add_sum("validation_plus_launch_us", "validation_us", "direct_launcher_us")
     # The compiled kernel called by hand (Triton-internal call convention): the floor of any
     # Python-side launch; with addresses, Triton's launcher skips its per-tensor driver query.

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import core.fusions.direct_launch as direct_launch  # noqa: E402
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
 from tools.bench_common import EPS, make_inputs  # noqa: E402
 from tools.host_cost import (SHAPE, HostTimer, own_work_calls, own_work_units,  # noqa: E402
                              same_signature_units)
@@ -70,7 +71,7 @@ class _StubDriver:
 def stub_launches() -> None:
     """Every launcher takes its direct path with a no-op compiled kernel."""
     direct_launch.driver = _StubDriver
-    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+    for launcher in (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum):
         launcher.kernel, launcher.direct = _StubKernel(), True
         launcher.compiled.clear()
 

@@ -27,8 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __name__ == "__main__":  # compile, never interpret (before triton is imported); imported by
-    os.environ.pop("TRITON_INTERPRET", None)  # tests/fusions/test_fused_gated_norm_compile.py, it leaves it be
+# Run as a script: compile, never interpret (before triton is imported). Imported (by
+# tests/fusions/test_gated_norm_compile.py), it leaves the environment as it is.
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -39,8 +41,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
-import core.fusions.gated_norm_validation as validation  # noqa: E402
+import core.fusions.gated_norm_kernels as kernels  # noqa: E402
 import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
+import core.fusions.gated_norm_validation as validation  # noqa: E402
 from core.testing.h200 import h200_device_rules  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -75,25 +79,25 @@ def h200_launch_rules():
     SMs, its DRAM bandwidth, sm_90: pipelining and programmatic dependent launch) for tensors on
     any device."""
     gpu = torch.device("cuda", 0)
-    saved = (fgn.forward_launch, fgn.backward_launch, dict(fgn._launch_plans))
-    fgn.forward_launch = lambda dim, device: launch_rules.forward_launch(dim, gpu)
-    fgn.backward_launch = lambda dim, device: launch_rules.backward_launch(dim, gpu)
-    fgn._launch_plans.clear()
+    saved = (plans.forward_launch, plans.backward_launch, dict(plans._launch_plans))
+    plans.forward_launch = lambda dim, device: launch_rules.forward_launch(dim, gpu)
+    plans.backward_launch = lambda dim, device: launch_rules.backward_launch(dim, gpu)
+    plans._launch_plans.clear()
     try:
         with h200_device_rules():
             yield
     finally:
-        fgn.forward_launch, fgn.backward_launch, plans = saved
-        fgn._launch_plans.clear()
-        fgn._launch_plans.update(plans)
+        plans.forward_launch, plans.backward_launch, kept = saved
+        plans._launch_plans.clear()
+        plans._launch_plans.update(kept)
 
 
 def sm90_binder(kernel):
-    """Triton's own argument binder for ``kernel`` (a @triton.jit function of fused_gated_norm)
+    """Triton's own argument binder for ``kernel`` (a @triton.jit function of gated_norm_kernels)
     and an sm_90 target: ``binder(*args, **kwargs) -> (bound, specialization, options)``, the
     specialisation and options being the compiled-kernel cache key. Built from the kernel's
     Python source, so it works with the interpreter on too; returns (binder, jit, backend)."""
-    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=fgn.PER_STEP_ARGS)
+    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=kernels.PER_STEP_ARGS)
     if isinstance(jit.fn, JITFunction):
         jit = jit.fn
     backend = make_backend(SM90)
@@ -139,19 +143,19 @@ def _cpu_tensors_pass_validation():
 def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_pdl):
     shape, dtype = x.shape, x.dtype
     if kernel == "fwd":
-        with recording(fgn.launch_forward) as launches:
+        with recording(plans.launch_forward) as launches:
             fgn.forward_impl(x, gate, weight, 1e-6, bt=bt, warps=warps,
                              out=_tensor(shape, dtype, int(unaligned)))
         return launches[0]
     rstd = torch.ones(shape[:3])
-    with recording(fgn.launch_backward) as main, recording(fgn.launch_dw_sum) as dw_sum:
+    with recording(plans.launch_backward) as main, recording(plans.launch_dw_sum) as dw_sum:
         fgn.backward_impl(x, gate, weight, rstd, dy, bt=bt, warps=warps, dw_sum_pdl=dw_sum_pdl)
     return (dw_sum if kernel == "dw_sum" else main)[0]
 
 
 def compile_sm90(kernel: str, args: tuple, kwargs: dict):
     """What JITFunction.run compiles for these arguments, for an sm_90 target."""
-    binder, jit, backend = sm90_binder(getattr(fgn, KERNELS[kernel]))
+    binder, jit, backend = sm90_binder(getattr(kernels, KERNELS[kernel]))
     bound, specialization, options = binder(*args, **kwargs)
     kinds = [s[0] for s in specialization]
     constexprs = {path: get_iterable_path(list(bound.values()), path)

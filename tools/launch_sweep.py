@@ -37,7 +37,9 @@ from tools.bench_common import (EPS, bench_graph, bytes_moved, copy_ceiling,  # 
                                 same_bytes_copy, same_bytes_tensors, shape_label, write_json)
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
-from core.fusions.gated_norm_launch import backward_programs, cdiv  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
+from core.fusions.gated_norm_launch import (backward_launch, backward_programs, cdiv,  # noqa: E402
+                                            forward_launch)
 
 DEFAULT_SHAPES = "1x4096x4x128,1x4096x8x128,1x4096x16x128,1x4096x32x128,1x4096x8x256"
 WARPS = (1, 2, 4, 8)
@@ -80,7 +82,7 @@ def sweep_shape(shape, ceiling: float, sms: int, programs_per_sm=PROGRAMS_PER_SM
             return
         record(kernel, us, **params)
 
-    fwd_cfg, bwd_cfg = fgn.forward_launch(shape[3], x.device), fgn.backward_launch(shape[3], x.device)
+    fwd_cfg, bwd_cfg = forward_launch(shape[3], x.device), backward_launch(shape[3], x.device)
     timed("fwd", lambda: fgn.forward_impl(x, g, w, EPS), shipped=True, bt=fwd_cfg.bt,
           warps=fwd_cfg.warps, pdl=fwd_cfg.pdl)
     # The shipped backward with its dW sum launched early and as usual: a difference of a few
@@ -165,19 +167,18 @@ def backward_parts(x, g, w, rstd, dy) -> dict:
     partials, rounded to the weight's dtype); torch's ``sum(0).to(dtype)`` of the same partials;
     and the kernel that moves the backward's bytes (``same_bytes_copy``) into buffers allocated
     once and into two allocated per call, as the shipped backward's dx and dgate are."""
-    _, plan = fgn._backward_plan(x, g, w, rstd, dy, zero_centered=False, activation="silu",
-                                 bt=None, warps=None, programs=None, stages=None,
-                                 weight_grad_scale=1.0, dw_sum_pdl=None)
+    plan = plans.backward_plan(x, g, w, rstd, dy, zero_centered=False, gate_activation="silu",
+                               weight_grad_scale=1.0)
     dx, dgate = torch.empty_like(x), torch.empty_like(g)
     partial = x.new_empty((plan.grid, x.shape[3]), dtype=torch.float32)
     dweight = torch.empty_like(w)
     row_kernel = (x, g, w, rstd, dy, dx, dgate, partial)
 
     def row():
-        fgn.launch_backward.launch(plan.grid, row_kernel, plan.launch)
+        plans.launch_backward.launch(plan.grid, row_kernel, plan.launch)
 
     def dw_sum():
-        fgn.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight), plan.dw_sum)
+        plans.launch_dw_sum.launch(plan.dw_sum_grid, (partial, dweight), plan.dw_sum)
 
     row()  # partials for the dW sum timed alone
 

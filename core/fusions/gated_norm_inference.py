@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from core.fusions.fused_gated_norm import dense_blocks, launch_gated_norm_fwd
-from core.fusions.gated_norm_validation import (check_activation, check_bool, check_head_dim,
-                                            check_last_dim_stride, check_operands,
-                                            check_positive_number, check_rows, check_tensors,
-                                            overlap)
-from core.fusions.gated_norm_launch import forward_launch
+from core.fusions.direct_launch import PreparedLaunch
+from core.fusions.gated_norm_kernels import ForwardArgs
+from core.fusions.gated_norm_launch import cdiv, forward_launch
+from core.fusions.gated_norm_plans import dense_blocks, launch_forward
+from core.fusions.gated_norm_validation import (check_bool, check_head_dim, check_last_dim_stride,
+                                                check_operands, check_option,
+                                                check_positive_number, check_rows, check_tensors)
+from core.fusions.memory_overlap import overlap
 
 # vLLM spells silu "swish"; both name the same kernel branch.
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
@@ -67,32 +69,61 @@ def fused_gdn_gated_rms_norm(
     with grad mode on, inputs that require grad are rejected rather than silently detached. Use
     ``fused_gated_norm`` to train. ``num_tokens == 0`` returns without a launch.
     """
-    kernel_activation = _check_inputs(
+    gate_activation = _check_inputs(
         x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation
     )
     tokens = x.shape[0]
     if tokens == 0:
         return
-    cfg = forward_launch(head_v_dim, x.device)
-
-    # The 2-D tensors as [1, T, H, D] views, described by their layout directly instead of
-    # through view objects (cheaper on the host). Batch is 1, so tokens are flat and the batch
-    # stride is unused: 0 keeps the compile cache key independent of num_tokens.
-    def layout(t: torch.Tensor):
-        token_stride = t.stride(0)
-        return ((0, token_stride, head_v_dim), True,
-                dense_blocks(cfg.bt, num_v_heads, head_v_dim, token_stride, head_v_dim, True))
-
-    launch_gated_norm_fwd(
-        x, z, weight, out, None,  # no rstd: nothing is saved for a backward
-        tokens * num_v_heads, num_v_heads, head_v_dim, tokens, (layout(x), layout(z), layout(out)),
-        float(eps), False, kernel_activation,
-        tl.float32,  # no intermediate rounding: one rounding at the store
-        norm_before_gate, cfg.bt, cfg.block_d, cfg.warps, cfg.pdl,
-    )
+    eps = float(eps)
+    strides = (x.stride(0), z.stride(0), out.stride(0))
+    key = (tokens, num_v_heads, head_v_dim, strides, x.dtype, weight.dtype, x.device, eps,
+           gate_activation, norm_before_gate)
+    grid, prepared = _launches.get(key) or _prepare(key)
+    launch_forward.launch(grid, (x, z, weight, out, None), prepared)
     # Written by the kernel, unseen by autograd: a graph that saved out (x itself, say) then
     # refuses to backward, as after any in-place op. Inference tensors have no version.
     torch.autograd.graph.increment_version(out)
+
+
+# Prepared launches by everything that decides them (the token count included), kept for the
+# calls that repeat them (a serving loop's decode steps) and bounded as the training plans are.
+MAX_LAUNCHES = 256
+_launches: dict = {}
+
+
+def _prepare(key: tuple) -> tuple[int, PreparedLaunch]:
+    """Grid and prepared arguments of ``gated_norm_fwd`` for [tokens, heads * dim] tensors with
+    token strides ``strides`` (x, z, out) and the rest of ``key``, kept in ``_launches``.
+
+    The 2-D tensors are [1, T, H, D] views, described by their layout directly instead of
+    through view objects (cheaper on the host). Batch is 1, so tokens are flat and the batch
+    stride is unused: 0 keeps the compile cache key independent of num_tokens."""
+    (tokens, heads, dim, strides, dtype, weight_dtype, device, eps, gate_activation,
+     norm_before_gate) = key
+    cfg = forward_launch(dim, device)
+    bt = cfg.bt
+    x_tokens, z_tokens, out_tokens = strides
+    args = ForwardArgs(
+        ROWS=tokens * heads, HEADS=heads, D=dim, SEQUENCE=tokens,
+        X_STRIDES=(0, x_tokens, dim), GATE_STRIDES=(0, z_tokens, dim),
+        OUT_STRIDES=(0, out_tokens, dim),
+        X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=True,
+        X_DENSE=dense_blocks(bt, heads, dim, x_tokens, dim, True),
+        GATE_DENSE=dense_blocks(bt, heads, dim, z_tokens, dim, True),
+        OUT_DENSE=dense_blocks(bt, heads, dim, out_tokens, dim, True),
+        EPS=eps, ZERO_CENTERED=False, BT=bt, BLOCK_D=cfg.block_d,
+        NORM_DTYPE=tl.float32,  # no intermediate rounding: one rounding at the store
+        ACTIVATION=gate_activation, NORM_BEFORE_GATE=norm_before_gate,
+        STORE_RSTD=False,  # nothing is saved for a backward (rstd: a null pointer)
+        PDL=cfg.pdl)
+    launch = (cdiv(tokens * heads, bt),
+              launch_forward.prepare((dtype, dtype, weight_dtype, dtype, None), args, cfg.warps,
+                                     cfg.pdl))
+    if len(_launches) >= MAX_LAUNCHES:
+        _launches.clear()
+    _launches[key] = launch
+    return launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,10 +131,11 @@ def fused_gdn_gated_rms_norm(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate, activation) -> str:
-    """Raise TypeError/ValueError naming the argument and the rule; return the kernel's
-    activation name. Rules shared with the training entry come from gated_norm_validation.py; the
-    device rule comes before the overlap rules, which read addresses."""
+def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_gate,
+                  activation) -> str:
+    """Raise TypeError/ValueError naming the argument and the rule; return the kernel's name of
+    the gate activation. Rules shared with the training entry come from gated_norm_validation;
+    the device rule comes before the overlap rules, which read addresses."""
     check_tensors(_NAME, (("x", x), ("z", z), ("weight", weight), ("out", out)))
     for name, v in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):
         if not isinstance(v, int) or isinstance(v, bool):
@@ -112,7 +144,7 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
             raise ValueError(f"{_NAME}: {name} must be > 0, got {v}")
     check_head_dim(_NAME, "head_v_dim", head_v_dim)
     check_bool(_NAME, "norm_before_gate", norm_before_gate)
-    check_activation(_NAME, activation, tuple(_ACTIVATIONS))
+    check_option(_NAME, "activation", activation, tuple(_ACTIVATIONS))
 
     # Each metadata read is a call into torch: read each once, compare locals.
     width = num_v_heads * head_v_dim
@@ -124,7 +156,8 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
         )
     for name, t in (("z", z), ("out", out)):
         if t.shape != shape:
-            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{_NAME}: {name} must have x's shape {tuple(shape)}, got "
+                             f"{tuple(t.shape)}")
     tokens = shape[0]
     check_operands(_NAME, x, (("z", z), ("out", out)), weight, head_v_dim)
     check_rows(_NAME, "num_tokens * num_v_heads", tokens * num_v_heads)
@@ -141,10 +174,11 @@ def _check_inputs(x, z, weight, out, eps, num_v_heads, head_v_dim, norm_before_g
     return _ACTIVATIONS[activation]
 
 
-def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int, head_v_dim: int) -> None:
+def _check_strides_and_overlap(x, z, weight, out, tokens: int, width: int,
+                               head_v_dim: int) -> None:
     """Unit last-dim strides, then: rows of out do not overlap each other, and out is x or z
     itself or does not overlap them; it never overlaps the weight's span (ValueError). The
-    messages of gated_norm_validation.check_out_apart, computed from the token strides of the
+    messages of memory_overlap.check_out_apart, computed from the token strides of the
     2-D tensors read once, which costs the per-call host path less than the general check."""
     x_strides, z_strides, out_strides = check_last_dim_stride(
         _NAME, (("x", x), ("z", z), ("out", out)))

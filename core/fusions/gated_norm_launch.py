@@ -176,7 +176,8 @@ def forward_launch(dim: int, device: torch.device) -> ForwardLaunch:
     if block_d in FORWARD_SWEPT_BLOCKS:
         return ForwardLaunch(*FORWARD_SWEPT_BLOCKS[block_d], block_d, pdl)
     bt = max(1, FORWARD_ELEMENTS_PER_BLOCK // block_d)
-    per_thread = FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128 else FORWARD_ELEMENTS_PER_THREAD
+    per_thread = (FORWARD_ELEMENTS_PER_THREAD_NARROW if block_d <= 128
+                  else FORWARD_ELEMENTS_PER_THREAD)
     # A row wider than 8 warps * 16 elements keeps 8 warps (more elements per thread).
     return ForwardLaunch(bt, _warps(bt * block_d, per_thread), block_d, pdl)
 

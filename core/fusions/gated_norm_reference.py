@@ -34,11 +34,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return (xf * rstd.to(compute)[..., None] * w).to(torch.promote_types(x.dtype, weight.dtype))
 
 
-def unfused_gated_norm(x, gate, weight, eps, zero_centered=False, activation="silu", rstd=None):
+def unfused_gated_norm(x, gate, weight, eps, zero_centered=False, gate_activation="silu",
+                       rstd=None):
     """Megatron's ``_apply_gated_norm``: ``(out_norm(x) * act(gate.float())).to(x.dtype)``."""
     compute = torch.promote_types(gate.dtype, torch.float32)
     y = rms_norm(x, weight, eps, zero_centered, rstd)
-    return (y * _activation(gate.to(compute), activation)).to(x.dtype)
+    return (y * _activation(gate.to(compute), gate_activation)).to(x.dtype)
 
 
 def one_rounding_gated_norm(x, gate, weight, eps, norm_before_gate=True, activation="silu"):
@@ -60,7 +61,8 @@ def inference_gated_norm(x, z, weight, eps, head_dim, norm_before_gate=True, act
         return t.unflatten(-1, (-1, head_dim))
 
     act = "sigmoid" if activation == "sigmoid" else "silu"
-    return one_rounding_gated_norm(split(x), split(z), weight, eps, norm_before_gate, act).flatten(-2)
+    return one_rounding_gated_norm(split(x), split(z), weight, eps, norm_before_gate,
+                                   act).flatten(-2)
 
 
 # Integer type of the same width, and a wider one for the differences.

@@ -26,6 +26,8 @@ from triton.runtime.jit import JITFunction, native_specialize_impl
 
 import core.fusions.direct_launch as direct_launch
 import core.fusions.fused_gated_norm as fgn
+import core.fusions.gated_norm_kernels as kernels
+import core.fusions.gated_norm_plans as plans
 from core.fusions.direct_launch import DirectLauncher, parameter_names
 from tests.gated_norm_inputs import DEVICE, EPS, make_inputs, packed_projection_gate
 
@@ -305,9 +307,9 @@ def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     assert (gate.data_ptr() % 16 == 0) == (gate_offset == 0)
     x, _, weight = make_inputs((2, 5, 4, 64), torch.bfloat16)
     dy = make_inputs((2, 5, 4, 64), torch.bfloat16, seed=1)[0]
-    for launcher in (fgn.launch_forward, fgn.launch_backward):
+    for launcher in (plans.launch_forward, plans.launch_backward):
         monkeypatch.setattr(launcher, "compiled", {})  # the first call below compiles or binds
-    fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls
+    fwd0, bwd0 = plans.launch_forward.direct_calls, plans.launch_backward.direct_calls
     calls = []
     for _ in range(2):
         out, rstd = fgn.forward_impl(x, gate, weight, EPS)
@@ -315,18 +317,18 @@ def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     for a, b in zip(*calls):
         assert torch.equal(a, b)
     direct = 1 if DEVICE == "cuda" else 0  # the interpreter compiles nothing to keep
-    assert fgn.launch_forward.direct_calls - fwd0 == direct
-    assert fgn.launch_backward.direct_calls - bwd0 == direct
+    assert plans.launch_forward.direct_calls - fwd0 == direct
+    assert plans.launch_backward.direct_calls - bwd0 == direct
     reference = fgn.forward_impl(x, gate.contiguous(), weight, EPS)[0]  # an aligned copy
     assert torch.equal(calls[0][0], reference)
     # Another token count (one sequence of the two: the same flat-token layout): the same
     # compiled kernels, launched directly on a GPU.
-    fwd0, bwd0 = fgn.launch_forward.direct_calls, fgn.launch_backward.direct_calls
+    fwd0, bwd0 = plans.launch_forward.direct_calls, plans.launch_backward.direct_calls
     out, rstd = fgn.forward_impl(x[:1], gate[:1], weight, EPS)
     dx, _, _ = fgn.backward_impl(x[:1], gate[:1], weight, rstd, dy[:1])
     assert torch.equal(out, calls[0][0][:1]) and torch.equal(dx, calls[0][2][:1])
-    assert fgn.launch_forward.direct_calls - fwd0 == direct
-    assert fgn.launch_backward.direct_calls - bwd0 == direct
+    assert plans.launch_forward.direct_calls - fwd0 == direct
+    assert plans.launch_backward.direct_calls - bwd0 == direct
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,7 +413,7 @@ def test_real_kernels_under_an_unknown_triton(monkeypatch):
     dy = make_inputs(x.shape, seed=1)[0]
     expected = fgn.forward_impl(x, gate, weight, EPS)
     expected = (*expected, *fgn.backward_impl(x, gate, weight, expected[1], dy))
-    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+    for launcher in (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum):
         monkeypatch.setattr(launcher, "compiled", {})
         monkeypatch.setattr(launcher, "direct", None)
     with warnings.catch_warnings(record=True) as record:
@@ -423,7 +425,7 @@ def test_real_kernels_under_an_unknown_triton(monkeypatch):
                 assert torch.equal(a, b)
     fallbacks = [w for w in record if "launching through kernel[grid]" in str(w.message)]
     assert len(fallbacks) == (1 if DEVICE == "cuda" else 0)
-    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+    for launcher in (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum):
         assert launcher.compiled == {}
         assert launcher.direct is (False if DEVICE == "cuda" else None)
 
@@ -473,7 +475,7 @@ def test_installed_triton_has_the_launch_abi_the_direct_call_uses():
     assert [specialization(buf[i:i + 32])[1] for i in (0, 8, 4, 1)] == ["D", "D", "", ""]
     # The parameters the launcher reads when it is made (of the compiled build's JITFunction:
     # the interpreter's stand-in has none), and the launch hooks it looks at.
-    kernel = JITFunction(fgn.gated_norm_fwd.fn, do_not_specialize=fgn.PER_STEP_ARGS)
+    kernel = JITFunction(kernels.gated_norm_fwd.fn, do_not_specialize=kernels.PER_STEP_ARGS)
     params = kernel.params
     assert [p.num for p in params] == list(range(len(kernel.arg_names)))
     assert sorted(p.name for p in params if p.do_not_specialize) == ["ROWS", "SEQUENCE"]

@@ -1,8 +1,9 @@
 """The training kernels on a CUDA GPU, at the sizes a model runs: parity with the unfused path,
 the gate's exp against tl.exp on every fp32 value, 64-bit offsets past 2**31 elements,
 repeatable bits, launch blocks that lay a row out alike, CUDA-graph capture, torch.compile with
-inductor, and no recompilation when only the token count changes. The same properties at small sizes run on the CPU in tests/fusions (Triton
-interpreter); what is here needs the GPU's compiler, memory or CUDA graphs."""
+inductor, and no recompilation when only the token count changes. The same properties at small
+sizes run on the CPU in tests/fusions (Triton interpreter); what is here needs the GPU's
+compiler, memory or CUDA graphs."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from tools.parity_sources import parity_sources
 pytestmark = pytest.mark.gpu
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.gated_norm_kernels as kernels  # noqa: E402
+import core.fusions.gated_norm_launch as gated_norm_launch  # noqa: E402
+import core.fusions.gated_norm_plans as plans  # noqa: E402
 
 PARITY_CASES = [((1, 4096, 32, 128), "plain"), ((1, 4096, 32, 128), "strided_gate"),
                 ((1, 4096, 32, 128), "sbhd"), ((2, 8192, 32, 128), "plain"),
@@ -32,7 +36,8 @@ PARITY_CASES = [((1, 4096, 32, 128), "plain"), ((1, 4096, 32, 128), "strided_gat
                 ((4, 4096, 16, 256), "plain")]
 
 
-@pytest.mark.parametrize("shape, variant", PARITY_CASES, ids=[f"{'x'.join(map(str, s))}-{v}" for s, v in PARITY_CASES])
+@pytest.mark.parametrize("shape, variant", PARITY_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{v}" for s, v in PARITY_CASES])
 def test_parity_with_the_unfused_path(shape, variant):
     """Forward >= 99.9 % bitwise equal and within 2 ulp (docs/numerics.md), 100 % once the
     reference uses our rstd; dx and dgate >= 99.9 % bitwise, dgate within 2 ulp; dx and dW no
@@ -61,7 +66,7 @@ def test_kernels_keep_fp_contraction_where_tritons_default_is_off(monkeypatch):
     x, g, w = x.detach(), g.detach(), w.detach()
 
     def run():
-        for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+        for launcher in (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum):
             launcher.compiled.clear()  # each launch asks JITFunction.run for its kernel again
         out, rstd = fgn.forward_impl(x, g, w, EPS)
         return (out, *fgn.backward_impl(x, g, w, rstd, dy))
@@ -69,7 +74,7 @@ def test_kernels_keep_fp_contraction_where_tritons_default_is_off(monkeypatch):
     default = run()
     monkeypatch.setattr(triton.knobs.language, "default_fp_fusion", False)
     off = run()
-    for launcher in (fgn.launch_forward, fgn.launch_backward, fgn.launch_dw_sum):
+    for launcher in (plans.launch_forward, plans.launch_backward, plans.launch_dw_sum):
         assert launcher.compiled, "launched directly from then on"
         assert all(k.metadata.enable_fp_fusion for k in launcher.compiled.values())
     assert all(torch.equal(a, b) for a, b in zip(default, off))
@@ -81,7 +86,7 @@ def _exp_mismatches(counts, BLOCK: tl.constexpr):
     _exp_neg(g) against tl.exp(-g); the same where tl.exp(-g) >= 2**-126; 1 + each of them."""
     bits = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g = bits.to(tl.uint32).to(tl.float32, bitcast=True)
-    ours = fgn._exp_neg(g)
+    ours = kernels._exp_neg(g)
     plain = tl.exp(-g)
     differ = _differ(ours, plain)
     out = counts + 3 * tl.program_id(0)
@@ -169,7 +174,7 @@ def test_d256_blocks_with_the_same_row_layout_give_the_same_bits(dtype, offset):
     x, gate, weight = x.detach(), gate.detach(), weight.detach()
     if offset:
         x = shifted(x, offset)
-    assert tuple(fgn.forward_launch(256, torch.device("cuda"))[:2]) != (8, 4)
+    assert tuple(gated_norm_launch.forward_launch(256, torch.device("cuda"))[:2]) != (8, 4)
     default = fgn.forward_impl(x, gate, weight, EPS)
     rule = fgn.forward_impl(x, gate, weight, EPS, bt=8, warps=4)
     assert all(torch.equal(a, b) for a, b in zip(default, rule))
@@ -180,7 +185,7 @@ def _forget_launch_rules(launch) -> None:
     for rule in (launch.forward_launch, launch.backward_launch,
                  launch.programmatic_dependent_launch):
         rule.cache_clear()
-    fgn._launch_plans.clear()
+    plans._launch_plans.clear()
 
 
 @pytest.fixture
@@ -235,7 +240,7 @@ def test_backward_blocks_with_the_same_row_layout_give_dx_the_same_bits(shape, b
     x, gate, weight, dy, _ = make_grad_inputs(shape)
     x, gate, weight = x.detach(), gate.detach(), weight.detach()
     _, rstd = fgn.forward_impl(x, gate, weight, EPS)
-    assert fgn.backward_launch(shape[3], x.device)[:2] == block
+    assert gated_norm_launch.backward_launch(shape[3], x.device)[:2] == block
     default = fgn.backward_impl(x, gate, weight, rstd, dy)
     wider = fgn.backward_impl(x, gate, weight, rstd, dy, bt=other[0], warps=other[1])
     assert torch.equal(default[0], wider[0]) and torch.equal(default[1], wider[1])
@@ -253,7 +258,7 @@ def test_the_long_walk_grid_changes_no_dx_or_dgate_bit():
     x, gate, weight, dy, _ = make_grad_inputs(shape)
     x, gate, weight = x.detach(), gate.detach(), weight.detach()
     _, rstd = fgn.forward_impl(x, gate, weight, EPS)
-    cfg = fgn.backward_launch(shape[3], x.device)
+    cfg = gated_norm_launch.backward_launch(shape[3], x.device)
     blocks = x.shape[:3].numel() // cfg.bt
     assert blocks >= launch.LONG_WALK_BLOCKS * cfg.max_programs
     default = fgn.backward_impl(x, gate, weight, rstd, dy)
@@ -317,14 +322,14 @@ def compiled_binaries(kernel) -> int:
 def test_a_new_token_count_compiles_nothing(batch, layout):
     """Forward + backward at nine token counts (32k to 786k rows) after one call: no new binary
     of either kernel."""
-    kernels = (fgn.gated_norm_fwd, fgn.gated_norm_bwd)
+    jitted = (kernels.gated_norm_fwd, kernels.gated_norm_bwd)
 
     def step(seq):
         x, g, w, dy, leaves = make_grad_inputs((batch, seq, 32, 128), "strided_gate")
         torch.autograd.grad(fgn.fused_gated_norm(x, g, w, EPS, out_layout=layout), leaves, dy)
 
     step(1000)
-    before = [compiled_binaries(k) for k in kernels]
+    before = [compiled_binaries(k) for k in jitted]
     for seq in (1001, 1234, 2048, 3001, 4096, 4097, 7777, 8192, 12289):
         step(seq)
-    assert [compiled_binaries(k) for k in kernels] == before
+    assert [compiled_binaries(k) for k in jitted] == before

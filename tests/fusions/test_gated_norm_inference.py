@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import core.fusions.fused_gated_norm as kernel_module
 import core.fusions.gated_norm_validation as validation
 import core.fusions.gated_norm_inference as mod
 from core.fusions import fused_gdn_gated_rms_norm
@@ -35,7 +34,8 @@ def make(tokens, heads, dim, dtype, layout, weight_dtype=None, seed=0):
 
 
 def run(x, z, weight, out, heads, dim, norm_before_gate=True, activation="swish"):
-    ref = inference_gated_norm(x, z, weight, EPS, dim, norm_before_gate, activation)  # before out = x is overwritten
+    # before out (x itself, in place) is overwritten
+    ref = inference_gated_norm(x, z, weight, EPS, dim, norm_before_gate, activation)
     fused_gdn_gated_rms_norm(x, z, weight, out, EPS, heads, dim, norm_before_gate, activation)
     return ref
 
@@ -75,7 +75,8 @@ def test_head_dims(heads, dim):
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_fp32_weight_with_bf16_activations(norm_before_gate):
-    x, z, weight, out = make(TOKENS, HEADS, DIM, torch.bfloat16, "contiguous", weight_dtype=torch.float32)
+    x, z, weight, out = make(TOKENS, HEADS, DIM, torch.bfloat16, "contiguous",
+                             weight_dtype=torch.float32)
     assert_bitwise_or_within_ulps(out, run(x, z, weight, out, HEADS, DIM, norm_before_gate))
 
 
@@ -98,7 +99,7 @@ def test_empty_input_does_not_launch(monkeypatch):
     def no_launch(*args):
         raise AssertionError("launched on empty input")
 
-    monkeypatch.setattr(kernel_module, "launch_forward", no_launch)
+    monkeypatch.setattr(mod.launch_forward, "launch", no_launch)
     x, z, weight, out = make(0, HEADS, DIM, torch.bfloat16, "packed")
     assert fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM) is None
 
@@ -142,12 +143,39 @@ def test_host_path_runs_no_tensor_op(monkeypatch):
     """The whole entry up to its launch, validation included, runs no tensor op (hence no
     device sync, no allocation, no copy)."""
     launches = []
-    monkeypatch.setattr(mod, "launch_gated_norm_fwd", lambda *args: launches.append(args))
+    monkeypatch.setattr(mod.launch_forward, "launch", lambda *args: launches.append(args))
     x, z, weight, out = make(TOKENS, HEADS, DIM, torch.bfloat16, "inplace_packed")
     with RecordOps() as rec:
         fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)
     assert rec.ops == []
-    assert len(launches) == 1 and launches[0][:4] == (x, z, weight, out)
+    assert len(launches) == 1 and launches[0][1] == (x, z, weight, out, None)
+
+
+def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
+    """A call that repeats everything that decides its launch (a decode step) takes the launch
+    prepared before; anything else among them (the token count, eps, a token stride, the
+    activation, the gate order) gets its own. The table is bounded."""
+    monkeypatch.setattr(mod, "_launches", {})
+    prepared = []
+    launch = mod.launch_forward.launch
+    monkeypatch.setattr(mod.launch_forward, "launch",
+                        lambda grid, tensors, args: (prepared.append(args),
+                                                     launch(grid, tensors, args)))
+    x, z, weight, out = make(8, HEADS, DIM, torch.bfloat16, "packed")
+    with torch.no_grad():
+        calls = [(x, z, EPS, "swish", True), (x, z, EPS, "swish", True), (x[:4], z[:4], EPS,
+                 "swish", True), (x, z, 1e-5, "swish", True), (x.clone(), z, EPS, "swish", True),
+                 (x, z, EPS, "sigmoid", True), (x, z, EPS, "swish", False)]
+        for xc, zc, eps, activation, norm_before_gate in calls:
+            fused_gdn_gated_rms_norm(xc, zc, weight, out[:xc.shape[0]], eps, HEADS, DIM,
+                                     norm_before_gate, activation)
+    assert prepared[0] is prepared[1]
+    assert len({id(p) for p in prepared}) == len(calls) - 1 == len(mod._launches)
+    monkeypatch.setattr(mod, "MAX_LAUNCHES", 2)
+    with torch.no_grad():
+        for tokens in range(1, 6):
+            fused_gdn_gated_rms_norm(x[:tokens], z[:tokens], weight, out[:tokens], EPS, HEADS, DIM)
+            assert len(mod._launches) <= 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,8 +202,10 @@ BAD = {
     "x width": (lambda a: a | {"num_v_heads": 1}, ValueError, "x must have shape"),
     "z shape": (lambda a: a | {"z": a["z"][:3]}, ValueError, "z must have x's shape"),
     "out shape": (lambda a: a | {"out": a["out"][:, :8]}, ValueError, "out must have x's shape"),
-    "weight shape": (lambda a: a | {"weight": a["weight"][:4]}, ValueError, r"weight must have shape \(8,\)"),
-    "weight 2-d": (lambda a: a | {"weight": a["weight"].view(1, 8)}, ValueError, "weight must have shape"),
+    "weight shape": (lambda a: a | {"weight": a["weight"][:4]}, ValueError,
+                     r"weight must have shape \(8,\)"),
+    "weight 2-d": (lambda a: a | {"weight": a["weight"].view(1, 8)}, ValueError,
+                   "weight must have shape"),
     "x dtype": (lambda a: a | {k: a[k].double() for k in ("x", "z", "out")}, TypeError, "x dtype"),
     "z dtype": (lambda a: a | {"z": a["z"].half()}, TypeError, "z dtype must equal"),
     "out dtype": (lambda a: a | {"out": a["out"].float()}, TypeError, "out dtype must equal"),
@@ -186,14 +216,20 @@ BAD = {
     # The device rule comes before the overlap rules (meta tensors all have address 0).
     "all meta": (lambda a: a | {k: a[k].to("meta") for k in ("x", "z", "weight", "out")},
                  ValueError, "x must be a (CPU|CUDA) tensor .*TRITON_INTERPRET=1.*got device meta"),
-    "x stride": (lambda a: a | {"x": a["x"].t().contiguous().t()}, ValueError, "x must have last-dim stride 1"),
+    "x stride": (lambda a: a | {"x": a["x"].t().contiguous().t()}, ValueError,
+                 "x must have last-dim stride 1"),
     "z stride": (lambda a: a | {"z": torch.zeros_like(a["z"]).repeat(1, 2)[:, ::2]}, ValueError,
                  "z must have last-dim stride 1"),
-    "out stride": (lambda a: a | {"out": a["out"].t().contiguous().t()}, ValueError, "out must have last-dim"),
-    "weight stride": (lambda a: a | {"weight": a["weight"].repeat(2)[::2]}, ValueError, "weight must be contiguous"),
-    "out rows overlap": (lambda a: a | {"out": a["out"][:1].expand(4, 16)}, ValueError, "out rows must not overlap"),
-    "out partial x": (lambda a: a | dict(zip(("x", "out"), _packed_pair())), ValueError, "partially overlaps x"),
-    "out partial z": (lambda a: a | dict(zip(("z", "out"), _packed_pair())), ValueError, "partially overlaps z"),
+    "out stride": (lambda a: a | {"out": a["out"].t().contiguous().t()}, ValueError,
+                   "out must have last-dim"),
+    "weight stride": (lambda a: a | {"weight": a["weight"].repeat(2)[::2]}, ValueError,
+                      "weight must be contiguous"),
+    "out rows overlap": (lambda a: a | {"out": a["out"][:1].expand(4, 16)}, ValueError,
+                         "out rows must not overlap"),
+    "out partial x": (lambda a: a | dict(zip(("x", "out"), _packed_pair())), ValueError,
+                      "partially overlaps x"),
+    "out partial z": (lambda a: a | dict(zip(("z", "out"), _packed_pair())), ValueError,
+                      "partially overlaps z"),
     "out shifted x": (lambda a: _shifted(a), ValueError, "partially overlaps x"),
     "out over weight": (lambda a: _out_over_weight(a), ValueError, "out must not overlap weight"),
     # Expanded (memoryless) views with 2**27 tokens * 16 heads = 2**31 rows.
@@ -203,15 +239,18 @@ BAD = {
     "heads type": (lambda a: a | {"num_v_heads": 2.0}, TypeError, "num_v_heads must be an int"),
     "heads bool": (lambda a: a | {"num_v_heads": True}, TypeError, "num_v_heads must be an int"),
     "dim zero": (lambda a: a | {"head_v_dim": 0}, ValueError, "head_v_dim must be > 0"),
-    "dim max": (lambda a: a | {"head_v_dim": MAX_HEAD_DIM + 1}, ValueError, "head_v_dim must be <="),
+    "dim max": (lambda a: a | {"head_v_dim": MAX_HEAD_DIM + 1}, ValueError,
+                "head_v_dim must be <="),
     "eps zero": (lambda a: a | {"eps": 0.0}, ValueError, "eps must be finite and > 0"),
     "eps nan": (lambda a: a | {"eps": float("nan")}, ValueError, "eps must be finite and > 0"),
     "eps inf": (lambda a: a | {"eps": float("inf")}, ValueError, "eps must be finite and > 0"),
-    "eps tensor": (lambda a: a | {"eps": torch.tensor(1e-6)}, TypeError, "eps must be a Python float or int"),
+    "eps tensor": (lambda a: a | {"eps": torch.tensor(1e-6)}, TypeError,
+                   "eps must be a Python float or int"),
     "eps str": (lambda a: a | {"eps": "1e-6"}, TypeError, "eps must be a Python float or int"),
     "eps fp32 overflow": (lambda a: a | {"eps": 1e39}, ValueError, "eps must be finite and > 0"),
     "activation": (lambda a: a | {"activation": "gelu"}, ValueError, "activation must be one of"),
-    "activation list": (lambda a: a | {"activation": ["silu"]}, TypeError, "activation must be a str"),
+    "activation list": (lambda a: a | {"activation": ["silu"]}, TypeError,
+                        "activation must be a str"),
     **{f"norm_before_gate {value!r}": (lambda a, value=value: a | {"norm_before_gate": value},
                                        TypeError, "norm_before_gate must be a bool")
        for value in ("yes", "False", None, 0, 1, 0.5)},
@@ -220,9 +259,10 @@ BAD = {
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setattr(validation, "INTERPRETED", False)
-    monkeypatch.setattr(kernel_module, "launch_forward", None)  # not reached
+    monkeypatch.setattr(mod.launch_forward, "launch", None)  # not reached
     args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
-    with torch.no_grad(), pytest.raises(ValueError, match="x must be a CUDA tensor .*got device cpu"):
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match="x must be a CUDA tensor .*got device cpu"):
         mod.fused_gdn_gated_rms_norm(**args)
 
 
@@ -244,7 +284,7 @@ def test_bad_input(case, monkeypatch):
     def no_launch(*args):
         raise AssertionError("launched on bad input")
 
-    monkeypatch.setattr(kernel_module, "launch_forward", no_launch)
+    monkeypatch.setattr(mod.launch_forward, "launch", no_launch)
     with pytest.raises(exc, match=message):
         fused_gdn_gated_rms_norm(**make_args(_good()))
 

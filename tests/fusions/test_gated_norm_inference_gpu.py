@@ -34,7 +34,8 @@ def test_more_than_2_31_elements_in_place():
 def test_cuda_graph_replay_matches_eager():
     tokens = 4096
     x = torch.randn(tokens, HEADS * DIM, device="cuda", dtype=torch.bfloat16)
-    z = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16)[:, HEADS * DIM:2 * HEADS * DIM]
+    packed = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16)
+    z = packed[:, HEADS * DIM:2 * HEADS * DIM]
     weight = torch.rand(DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(x)
     fused_gdn_gated_rms_norm(x, z, weight, out, EPS, HEADS, DIM)  # compile outside the capture

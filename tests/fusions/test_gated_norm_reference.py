@@ -1,4 +1,5 @@
-"""The plain-torch references every other test measures against (core/fusions/gated_norm_reference.py):
+"""The plain-torch references every other test measures against
+(core/fusions/gated_norm_reference.py):
 ``ulp_distance`` on pairs whose distance is known from the format itself, and
 ``unfused_gated_norm`` against megatron's own ``_GDNBase._apply_gated_norm``, run as written."""
 
@@ -38,12 +39,14 @@ def _smallest_subnormal(dtype) -> float:
 @pytest.mark.parametrize("n", [1, 2])
 def test_neighbours_built_by_nextafter_are_n_ulps_apart(dtype, n):
     gen = torch.Generator().manual_seed(0)
-    a = (torch.randn(2000, generator=gen) * 10.0 ** torch.randint(-3, 4, (2000,), generator=gen)).to(dtype)
+    scales = 10.0 ** torch.randint(-3, 4, (2000,), generator=gen)
+    a = (torch.randn(2000, generator=gen) * scales).to(dtype)
     a = torch.cat([a, torch.tensor([1.0, -1.0, torch.finfo(dtype).tiny, torch.finfo(dtype).max / 2],
                                    dtype=dtype)])
     for toward in (float("inf"), float("-inf")):
         b = _step(a, n, toward)
-        assert torch.equal(ulp_distance(a, b), torch.full(a.shape, n, dtype=ulp_distance(a, a).dtype))
+        want = torch.full(a.shape, n, dtype=ulp_distance(a, a).dtype)
+        assert torch.equal(ulp_distance(a, b), want)
         assert torch.equal(ulp_distance(b, a), ulp_distance(a, b))
 
 
@@ -111,10 +114,11 @@ def test_nan_is_ordered_by_its_bits_beyond_infinity(dtype):
             assert ulp_distance(n, finite).item() == ulp_distance(finite, sign * inf).item() + d_inf
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)],
-                         ids=["float64", "mixed"])
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64),
+                                    (torch.bfloat16, torch.float32)], ids=["float64", "mixed"])
 def test_other_dtypes_are_refused(dtypes):
-    with pytest.raises(TypeError, match="ulp_distance: a and b must have one dtype, bf16, fp16 or fp32"):
+    with pytest.raises(TypeError,
+                       match="ulp_distance: a and b must have one dtype, bf16, fp16 or fp32"):
         ulp_distance(torch.zeros(2, dtype=dtypes[0]), torch.zeros(2, dtype=dtypes[1]))
 
 
@@ -154,8 +158,8 @@ def test_unfused_gated_norm_is_megatrons_apply_gated_norm_run_eagerly(dtype, wei
     with torch.no_grad(), eager_megatron_gdn():
         apply_gated_norm = _GDNBase._apply_gated_norm
         assert getattr(apply_gated_norm, "_torchdynamo_orig_callable", None) is None  # as written
-        outputs = [apply_gated_norm(types.SimpleNamespace(out_norm=out_norm, act_fn=act_fn), x, gate)
-                   for out_norm in (norm, te_style_norm)]
+        outputs = [apply_gated_norm(types.SimpleNamespace(out_norm=out_norm, act_fn=act_fn), x,
+                                    gate) for out_norm in (norm, te_style_norm)]
         ours = unfused_gated_norm(x, gate, norm.weight, EPS, zero_centered, activation)
     assert ours.dtype == dtype and ours.shape == x.shape
     for megatron in outputs:

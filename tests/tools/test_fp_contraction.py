@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import core.fusions.fused_gated_norm as fgn
+import core.fusions.gated_norm_plans as plans
 from tools import fp_contraction
 
 
@@ -35,7 +35,8 @@ def test_both_settings_reach_every_launch_and_the_shipped_one_returns(monkeypatc
     assert [r["fp_contraction"] for r in rows] == [True, False]
     # each setting: the forward twice (fused and inside autograd) and the backward's two kernels
     assert seen == [True] * 4 + [False] * 4
-    assert all(launcher.compile_options == fgn.COMPILE_OPTIONS for launcher in fp_contraction.LAUNCHERS)
+    assert all(launcher.compile_options == plans.COMPILE_OPTIONS
+               for launcher in fp_contraction.LAUNCHERS)
     for row in rows:  # the interpreter ignores the option: both rows are the shipped numerics
         assert row["bitwise_share"] >= 0.99 and row["max_ulps"] <= 2
         for name in fp_contraction.GRADIENTS:

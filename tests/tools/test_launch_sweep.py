@@ -70,6 +70,7 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     every part before the next alternation, and reports the median of each; the row kernel's
     partials, summed by the dW sum, give backward_impl's dW."""
     import core.fusions.fused_gated_norm as fgn
+    import core.fusions.gated_norm_plans as plans
 
     order = []
 
@@ -83,8 +84,8 @@ def test_sweep_times_the_backwards_parts_in_turn(monkeypatch):
     x, g, w = x.detach(), g.detach(), w.detach()
     _, rstd = fgn.forward_impl(x, g, w, 1e-6)
     sums = []
-    summing = fgn.launch_dw_sum.launch
-    monkeypatch.setattr(fgn.launch_dw_sum, "launch",
+    summing = plans.launch_dw_sum.launch
+    monkeypatch.setattr(plans.launch_dw_sum, "launch",
                         lambda grid, tensors, prepared, device=None: (
                             summing(grid, tensors, prepared, device),
                             sums.append(tensors[1].clone())))

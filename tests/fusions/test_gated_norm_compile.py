@@ -1,5 +1,5 @@
-"""torch.compile support and compile-cache stability of the fused gated norm (CPU interpreter or
-GPU).
+"""torch.compile support (core/fusions/gated_norm_compile.py) and compile-cache stability of the
+fused gated norm (CPU interpreter or GPU).
 
 - torch.compile(fullgraph=True) of a function calling fused_gated_norm traces through the custom
   ops (no graph break) and gives the eager path's output and gradients bit for bit.
@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.fusions.fused_gated_norm as fgn
-import core.fusions.gated_norm_validation as validation
-from core.fusions.fused_gated_norm import fused_gated_norm
+import core.fusions.gated_norm_checks as checks
+import core.fusions.gated_norm_kernels as kernels
+import core.fusions.gated_norm_plans as plans
+from core.fusions.fused_gated_norm import backward_impl, forward_impl, fused_gated_norm
+from core.fusions.gated_norm_compile import gated_norm_fwd_op
 from tests.gated_norm_inputs import EPS, make_inputs, packed_projection_gate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,17 +63,18 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
 
 
 def test_compile_traces_the_input_rules(monkeypatch):
-    """Under torch.compile the input rules are traced as they are: the table of checked
-    metadata, whose keys would hold traced sizes, is neither read nor filled."""
-    monkeypatch.setattr(validation, "_checked_inputs", {})
+    """Under torch.compile the input rules are traced as they are: the memo of checked
+    signatures, whose keys would hold traced sizes, is neither read nor filled (the custom op
+    checks the real tensors at its own station when it runs)."""
+    monkeypatch.setattr(checks, "_checked_signatures", {})
     torch._dynamo.reset()
     x, gate, weight = strided_gate_inputs(2, 5)
     compiled = torch.compile(lambda x, g, w: fused_gated_norm(x, g, w, EPS), fullgraph=True,
                              backend="aot_eager")
     compiled(x, gate, weight)
-    assert validation._checked_inputs == {}
-    fused_gated_norm(x, gate, weight, EPS)  # eagerly, the same inputs are kept
-    assert len(validation._checked_inputs) == 1
+    (signature,) = checks._checked_signatures  # kept by the custom op's station, at run time
+    assert checks.check_gated_norm_inputs(x, gate, weight, EPS) == (
+        checks._checked_signatures[signature])  # the real tensors' signature, nothing traced
 
 
 def test_compiled_output_takes_in_place_ops():
@@ -101,7 +104,7 @@ def test_custom_op_passes_opcheck():
     x, gate, weight = make_inputs((1, 4, 3, 64))
     x.requires_grad_()
     torch.library.opcheck(
-        fgn._gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu", 2.0),
+        gated_norm_fwd_op, (x, gate, weight, EPS, False, "sbhd", "silu", 2.0),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 
@@ -124,9 +127,9 @@ def _keys(kernel_name, run):
     """The compile-cache key (specialisation, options) of every launch of ``kernel_name`` that
     ``run()`` makes, for an sm_90 target; nothing runs."""
     kernel_ir = _kernel_ir()
-    binder = kernel_ir.sm90_binder(getattr(fgn, kernel_name))[0]
-    launchers = {"gated_norm_fwd": fgn.launch_forward, "gated_norm_bwd": fgn.launch_backward,
-                 "gated_norm_dw_sum": fgn.launch_dw_sum}
+    binder = kernel_ir.sm90_binder(getattr(kernels, kernel_name))[0]
+    launchers = {"gated_norm_fwd": plans.launch_forward, "gated_norm_bwd": plans.launch_backward,
+                 "gated_norm_dw_sum": plans.launch_dw_sum}
     with contextlib.ExitStack() as stack:  # every launcher records: no kernel runs
         launches = {name: stack.enter_context(kernel_ir.recording(launcher))
                     for name, launcher in launchers.items()}
@@ -142,7 +145,8 @@ def _keys(kernel_name, run):
 def launch_rules(request):
     """``"h200"``: the launch parameters an H200 gets (132 SMs, sm_90; tools/kernel_ir.py's
     h200_launch_rules), whatever device runs the test; ``"this_device"``: its own."""
-    rules = _kernel_ir().h200_launch_rules() if request.param == "h200" else contextlib.nullcontext()
+    rules = (_kernel_ir().h200_launch_rules() if request.param == "h200"
+             else contextlib.nullcontext())
     with rules:
         yield request.param
 
@@ -156,18 +160,18 @@ def test_token_count_does_not_change_the_compile_key(launch_rules, batch):
 
     def forwards():
         for x, gate, weight in inputs:
-            fgn.forward_impl(x, gate, weight, EPS)
+            forward_impl(x, gate, weight, EPS)
             seq, heads, dim = x.shape[1:]
             sbhd = torch.empty((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
-            fgn.forward_impl(x, gate, weight, EPS, out=sbhd.transpose(0, 1))
+            forward_impl(x, gate, weight, EPS, out=sbhd.transpose(0, 1))
 
     def backwards():  # a new weight_grad_scale (a runtime float) with every token count too
         for scale, (x, gate, weight) in enumerate(inputs, start=1):
             rstd = torch.ones(x.shape[:3], device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, torch.ones_like(x), weight_grad_scale=scale / 4)
+            backward_impl(x, gate, weight, rstd, torch.ones_like(x), weight_grad_scale=scale / 4)
             seq, heads, dim = x.shape[1:]
             dy_sbhd = torch.ones((seq, batch, heads, dim), dtype=x.dtype, device=x.device)
-            fgn.backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1),
+            backward_impl(x, gate, weight, rstd, dy_sbhd.transpose(0, 1),
                               weight_grad_scale=float(scale))
 
     for kernel_name, run in (("gated_norm_fwd", forwards), ("gated_norm_bwd", backwards),
@@ -175,5 +179,7 @@ def test_token_count_does_not_change_the_compile_key(launch_rules, batch):
         keys = _keys(kernel_name, run)
         assert len(keys) == 2 * len(seqs)
         bshd, sbhd = set(keys[0::2]), set(keys[1::2])
-        assert len(bshd) == 1, f"{kernel_name}: {len(bshd)} compiled variants for {len(seqs)} token counts"
-        assert len(sbhd) == 1, f"{kernel_name} (sbhd): {len(sbhd)} variants for {len(seqs)} token counts"
+        assert len(bshd) == 1, (f"{kernel_name}: {len(bshd)} compiled variants for {len(seqs)} "
+                                "token counts")
+        assert len(sbhd) == 1, (f"{kernel_name} (sbhd): {len(sbhd)} variants for {len(seqs)} "
+                                "token counts")

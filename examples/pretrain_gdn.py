@@ -169,7 +169,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     train, held_out = pretrain_data.load_corpus()
-    splits = [("training", len(train))] + ([("held-out", len(held_out))] if args.eval_batches else [])
+    splits = [("training", len(train))]
+    if args.eval_batches:
+        splits.append(("held-out", len(held_out)))
     for split, tokens in splits:  # a window is seq_length + 1 tokens, its start in [0, high)
         if args.seq_length + 2 > tokens:
             raise SystemExit(f"--seq-length must be at most {tokens - 2} (the {split} split of the "
@@ -208,7 +210,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
                          f"got {args.warmup_steps}")
     if args.sequence_parallel and args.tp == 1:
         raise SystemExit("--sequence-parallel needs --tp > 1")
-    if HAS_CUDA and "LOCAL_RANK" not in os.environ and args.tp * args.dp > torch.cuda.device_count():
+    if (HAS_CUDA and "LOCAL_RANK" not in os.environ
+            and args.tp * args.dp > torch.cuda.device_count()):
         raise SystemExit(f"--tp {args.tp} x --dp {args.dp} needs {args.tp * args.dp} GPUs, "
                          f"{torch.cuda.device_count()} visible")
     return args

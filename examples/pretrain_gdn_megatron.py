@@ -40,9 +40,9 @@ pretrain_hybrid.py do: megatron's TransformerConfig (which has no fusion field) 
 iteration: the exact loss of the iteration's whole batch (the sum of masked token losses over
 every micro-batch and data-parallel rank / their token count; megatron's "lm loss" log line
 rounds it, and megatron-core 0.19.2 with ``--log-interval 1`` prints the mean of iterations 1
-and 2 at iteration 2), the wall time since the previous iteration, and the memory allocated between the
-start and the end of each micro-batch's forward (what the forward keeps for backward plus the
-output), for examples/run_megatron_pairs.py.
+and 2 at iteration 2), the wall time since the previous iteration, and the memory allocated
+between the start and the end of each micro-batch's forward (what the forward keeps for backward
+plus the output), for examples/run_megatron_pairs.py.
 
 Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cpu``'s shims
 (``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
@@ -200,7 +200,8 @@ def check_launcher_scope(args) -> None:
                              + "; ".join(needs))
     if args.transformer_impl == "transformer_engine" and not HAVE_TE:
         raise ValueError("--transformer-impl transformer_engine (megatron's default) needs "
-                         "Transformer Engine, which is not installed: pass --transformer-impl local")
+                         "Transformer Engine, which is not installed: pass "
+                         "--transformer-impl local")
 
 
 def check_spec_name(spec) -> None:

@@ -305,7 +305,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(summary: dict) -> str:
     lines = [f"{summary['device']}; {summary['steps']} iterations, seed {summary['seed']}, "
-             f"checkpoints {summary['ckpt_format']}, GDN kernels {summary.get('gdn_kernels', 'n/a')}"]
+             f"checkpoints {summary['ckpt_format']}, "
+             f"GDN kernels {summary.get('gdn_kernels', 'n/a')}"]
     head = (f"{'pair':<22}{'GDN fused':>10}{'bitwise':>9}{'max|dL| 1-10':>14}{'max|dL|':>10}"
             f"{'last-10 mean off/on':>22}{'tok/s off/on':>20}{'fwd kept MiB off/on':>22}")
     lines += [head, "-" * len(head)]

@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         skips = {"cpu_shims": "runs megatron's layers on the CPU shims (Triton interpreter, gloo), "
                               "which " + cpu_only,
-                 "interpreter": "runs kernels on CPU tensors (Triton interpreter), which " + cpu_only}
+                 "interpreter": "runs kernels on CPU tensors (Triton interpreter), which "
+                                + cpu_only}
     else:
         skips = {"gpu": "needs a CUDA GPU (gpu marker): run `python -m pytest -m gpu tests` on a "
                         "machine with one (tests/README.md)"}

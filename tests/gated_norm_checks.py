@@ -46,7 +46,8 @@ def assert_bitwise_or_within_ulps(out, ref, max_ulps: int | None = 1, min_bitwis
     """``out`` has ``ref``'s dtype and shape; in bf16 / fp16 at least ``min_bitwise`` of its
     elements are bitwise equal to ``ref``'s and every finite one is within ``max_ulps`` (None:
     no ulp bound, for dx, which cancels near zero); in fp32 it is within 2e-6 (rtol and atol)."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape,
+                                                               ref.shape)
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
         return

@@ -1,7 +1,8 @@
 """Inputs shared by the gated norm's tests and GPU checks: the device they run on, the eps, and
 random [B, S, H, D] activations, gate and weight (make_inputs; make_grad_inputs, from
-core.testing.inputs, which the measurement tools use too, for a backward at GPU sizes), plus the strided layouts Megatron hands the kernels (a gate sliced from a packed
-projection, a [B, S, H, D] view of an [S, B, H, D] buffer, an address off 16-byte alignment).
+core.testing.inputs, which the measurement tools use too, for a backward at GPU sizes), plus
+the strided layouts Megatron hands the kernels (a gate sliced from a packed projection, a
+[B, S, H, D] view of an [S, B, H, D] buffer, an address off 16-byte alignment).
 
 Import it as ``tests.gated_norm_inputs`` from the repository root (``python -m pytest`` puts it
 on sys.path; tests/__init__.py makes ``tests`` a regular package, so no other installed

@@ -102,25 +102,30 @@ def implementations(fla_fn, megatron_main_fn=None) -> dict:
     return impls
 
 
-def time_impl(fn, shape, variant) -> dict:
-    """Eager (do_bench) and GPU (CUDA graph) times in us of forward and backward."""
-    x, g, w, dy, _ = make_inputs(shape, variant)
-    sbhd = variant == "sbhd"
+def eager_times(fn, x, g, w, dy, sbhd) -> dict:
+    """Eager (do_bench) times in us of forward and backward. The timed forward's output and
+    autograd graph are freed on return."""
     out = fn(x, g, w, sbhd)  # compile / warm up
-    if sbhd:
-        dy = dy.transpose(0, 1).contiguous()
     # Gradients w.r.t. (x, gate, weight): for the strided gate this is the gradient of the view,
     # so autograd's SliceBackward into the packed buffer (paid alike by every implementation) is
     # not timed.
     inputs = (x, g, w)
     torch.autograd.grad(out, inputs, dy, retain_graph=True)
-    times = {"fwd_us": bench(lambda: fn(x, g, w, sbhd)),
-             "bwd_us": bench(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))}
+    return {"fwd_us": bench(lambda: fn(x, g, w, sbhd)),
+            "bwd_us": bench(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True))}
+
+
+def time_impl(fn, shape, variant) -> dict:
+    """Eager (do_bench) and GPU (CUDA graph) times in us of forward and backward."""
+    x, g, w, dy, _ = make_inputs(shape, variant)
+    sbhd = variant == "sbhd"
+    if sbhd:
+        dy = dy.transpose(0, 1).contiguous()
+    times = eager_times(fn, x, g, w, dy, sbhd)
     # In a graph the backward is captured with its forward: autograd runs each backward op on
     # the stream of its forward op. Fresh leaves, and the strided gate's slice taken inside the
     # captured step (as a model does): leaves or views whose autograd graph was built on the
     # default stream make the capture fail.
-    del out
     x, g, w, _, _ = make_inputs(shape, variant, seed=1)
 
     def gate():

@@ -47,7 +47,8 @@ def _block(x, gate, w, out, rstd, block, ROWS, D: tl.constexpr, EPS, BT: tl.cons
     mask = row_mask[:, None] & col_mask[None, :]
     if EVICT_FIRST:
         xv = tl.load(x + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        gv = tl.load(gate + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        gv = tl.load(gate + offs, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
     else:
         xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
@@ -113,7 +114,8 @@ def main():
     require_cuda("forward_variants.py")
     os.makedirs(args.out, exist_ok=True)
     ceiling = copy_ceiling()["GBps"]
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: copy ceiling {ceiling:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: "
+          f"copy ceiling {ceiling:.0f} GB/s")
     results = []
     eps = 1e-6
     for rows, dim in ((524288, 128), (1048576, 128), (262144, 256)):
@@ -138,11 +140,12 @@ def main():
             row = {"rows": rows, "D": dim, "variant": name, "us": us,
                    "pct": pct_of_ceiling(nbytes, us, ceiling), "bitwise": bitwise}
             results.append(row)
-            print(f"{rows:>8} x {dim}: {name:44s} {us:8.1f} us {row['pct']:5.1f} % bitwise {bitwise:.6f}",
-                  flush=True)
+            print(f"{rows:>8} x {dim}: {name:44s} {us:8.1f} us {row['pct']:5.1f} % "
+                  f"bitwise {bitwise:.6f}", flush=True)
     with open(os.path.join(args.out, "forward_variants.json"), "w") as f:
-        json.dump({"env": environment(), "device": torch.cuda.get_device_name(), "triton": triton.__version__,
-                   "ceiling_GBps": ceiling, "results": results}, f, indent=1)
+        json.dump({"env": environment(), "device": torch.cuda.get_device_name(),
+                   "triton": triton.__version__, "ceiling_GBps": ceiling, "results": results},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

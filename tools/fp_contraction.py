@@ -95,7 +95,8 @@ def measure_shape(shape, timed: bool = True, device=None) -> list[dict]:
 def describe(row: dict) -> str:
     errors = " ".join(f"{row['grad_rel_err'][n]:.3e}" for n in GRADIENTS)
     unfused = " ".join(f"{row['unfused_grad_rel_err'][n]:.3e}" for n in GRADIENTS)
-    timing = f"  fwd {row['fwd_us']:6.2f} us  bwd {row['bwd_us']:6.2f} us" if "fwd_us" in row else ""
+    timing = (f"  fwd {row['fwd_us']:6.2f} us  bwd {row['bwd_us']:6.2f} us" if "fwd_us" in row
+              else "")
     return (f"{'x'.join(map(str, row['shape'])):16s} {'on ' if row['fp_contraction'] else 'off'}"
             f"  bitwise {row['bitwise_share']:.7f}  max {row['max_ulps']:.0f} ulp"
             f"  dx/dgate/dW err {errors} (unfused {unfused}){timing}")

@@ -17,10 +17,12 @@ shapes of Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dims 128):
   * where the gain comes from: the output-norm section alone, its GPU time per kernel
     (torch.profiler) split into the norm + gate kernels and the copies the fused path removes.
 
-    python tools/gdn_layer.py [--out DIR] [--parts parity,perf,graphs,breakdown] [--no-jit]   # -> DIR/gdn_layer.json
+    python tools/gdn_layer.py [--out DIR] [--parts parity,perf,graphs,breakdown] [--no-jit]
     python tools/gdn_layer.py --parts perf,graphs --value-heads 32 8 4 --shapes 4096x1 8192x1
     torchrun --nproc-per-node 2 tools/gdn_layer.py --tp 2 [--out DIR]   # -> DIR/gdn_layer_tp2.json
-    python tools/gdn_layer.py --cpu --out DIR     # tiny shapes on the CPU (a dry run of this script)
+    python tools/gdn_layer.py --cpu --out DIR   # tiny shapes on the CPU (a dry run of this script)
+
+Without ``--tp`` the results go to DIR/gdn_layer.json.
 
 With ``--tp N`` (N processes, NCCL) it records, per case of core.testing.gdn_tp (flag on and
 off, sequence parallelism, fp32/bf16 params, DDP grad_reduce_in_fp32 and the distributed
@@ -190,8 +192,9 @@ def layer_parity(setup: LayerSetup, seq: int, batch: int) -> dict:
     off, on = setup.make_module(False), setup.make_module(True)
     on.load_state_dict(off.state_dict())
     ref32 = setup.make_module(False, dtype=torch.float32, deterministic=True)
-    ref32.load_state_dict({k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                           for k, v in off.state_dict().items()})
+    ref32.load_state_dict({
+        k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in off.state_dict().items()})
     x, dy = setup.inputs(seq, batch)
     r_on, r_off, r_off2 = fwd_bwd(on, x, dy), fwd_bwd(off, x, dy), fwd_bwd(off, x, dy)
     with eager_megatron_gdn():
@@ -211,7 +214,8 @@ def layer_parity(setup: LayerSetup, seq: int, batch: int) -> dict:
         e = {"elements": pick(r_on).numel(), "err_on": relative_error(pick(r_on), pick(r_32)),
              "err_off_jit": relative_error(pick(r_off), pick(r_32)),
              "err_off_eager": relative_error(pick(r_eager), pick(r_32))}
-        e["ratio_on_over_worse_off"] = e["err_on"] / max(e["err_off_jit"], e["err_off_eager"], 1e-300)
+        e["ratio_on_over_worse_off"] = e["err_on"] / max(e["err_off_jit"], e["err_off_eager"],
+                                                         1e-300)
         errors[name] = e
     res["rel_err_vs_fp32_layer"] = errors
     well_sampled = WELL_SAMPLED[setup.device]
@@ -332,7 +336,7 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
                             bias_dropout_fusion=False, **setup.sizes)
         model = wrap_ddp(build_gdn_layer(config, seed=None).to(setup.device))
 
-        def step():
+        def step(model=model):  # bound, not closed over: deleting both frees the layer
             model.zero_grad_buffer()
             model(x.detach().requires_grad_(True), attention_mask=None)[0].backward(dy)
 
@@ -345,7 +349,7 @@ def measure_graphed(setup: LayerSetup, seq: int, batch: int, fused: bool, iters:
             captured = all(r.fwd_graph is not None and r.bwd_graph is not None for r in runners)
         finally:
             reset_cuda_graphs()
-            del model
+            del step, model
             model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
             torch.cuda.empty_cache()
     return dict(fwd_bwd_ms_median=statistics.median(times), fwd_bwd_ms_min=min(times),
@@ -467,7 +471,8 @@ def breakdown(setup: LayerSetup, seq: int, batch: int, iters: int) -> dict:
                      "copy_calls": sum(n for k, n in calls.items() if kernel_group(k) == "copies"),
                      "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
     u, f = res["unfused"], res["fused"]
-    res.update(gain_wall_ms=u["wall_ms"] - f["wall_ms"], gain_kernel_ms=u["kernel_ms"] - f["kernel_ms"],
+    res.update(gain_wall_ms=u["wall_ms"] - f["wall_ms"],
+               gain_kernel_ms=u["kernel_ms"] - f["kernel_ms"],
                gain_from_kernels_ms=u["rest_ms"] - f["rest_ms"],
                gain_from_copies_ms=u["copies_ms"] - f["copies_ms"],
                gain_from_fills_ms=u["fills_ms"] - f["fills_ms"])
@@ -481,23 +486,27 @@ def summary_lines(results: dict) -> list[str]:
     p = results.get("parity")
     if p:
         n = p["norm_section"]
-        lines.append(f"parity {p['shape']}: norm section fused vs unfused eager {n['out_bitwise_vs_eager']:.7f} "
+        lines.append(f"parity {p['shape']}: norm section fused vs unfused eager "
+                     f"{n['out_bitwise_vs_eager']:.7f} "
                      f"bitwise (max {n['out_max_ulp_vs_eager']} ulp), worst error ratio vs float64 "
                      f"{n['worst_err_ratio_fused_over_eager']:.6f}; whole layer worst error ratio "
                      f"{p['worst_layer_err_ratio_well_sampled']:.3f}")
     for shape, on in ((k[:-3], v) for k, v in results.get("perf", {}).items() if k.endswith(" on")):
         off = results["perf"][f"{shape} off"]
-        lines.append(f"layer {shape}: fwd+bwd {off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
+        lines.append(f"layer {shape}: fwd+bwd {off['fwd_bwd_ms_median']:.3f} -> "
+                     f"{on['fwd_bwd_ms_median']:.3f} ms "
                      f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x; paired "
                      f"{on['paired_speedup_median']:.3f}x, flag on faster in "
                      f"{100 * on['pairs_faster_on']:.0f} % of step pairs), peak "
-                     f"{off.get('peak_mib', float('nan')):.1f} -> {on.get('peak_mib', float('nan')):.1f} MiB, "
+                     f"{off.get('peak_mib', float('nan')):.1f} -> "
+                     f"{on.get('peak_mib', float('nan')):.1f} MiB, "
                      f"kept for backward {off['kept_bytes_per_token']:.0f} -> "
                      f"{on['kept_bytes_per_token']:.0f} bytes/token")
     graphs = results.get("graphs", {})
     for shape, on in ((k[:-3], v) for k, v in graphs.items() if k.endswith(" on")):
         off = graphs[f"{shape} off"]
-        speedups = on.get("speedup_repeats") or [off["fwd_bwd_ms_median"] / on["fwd_bwd_ms_median"]]
+        speedups = (on.get("speedup_repeats")
+                    or [off["fwd_bwd_ms_median"] / on["fwd_bwd_ms_median"]])
         lines.append(f"layer {shape}, megatron CUDA graphs (TransformerLayer): fwd+bwd "
                      f"{off['fwd_bwd_ms_median']:.3f} -> {on['fwd_bwd_ms_median']:.3f} ms "
                      f"({off['fwd_bwd_ms_median'] / on['fwd_bwd_ms_median']:.3f}x; per capture "
@@ -506,7 +515,8 @@ def summary_lines(results: dict) -> list[str]:
                      f"step {on['python_norm_calls_per_step']:.2f}")
     for b in results.get("breakdown", {}).values():
         lines.append(f"norm section {b['shape']}: GPU kernels {b['unfused']['kernel_ms']:.3f} -> "
-                     f"{b['fused']['kernel_ms']:.3f} ms (norm + gate kernels {b['gain_from_kernels_ms']:.3f}, "
+                     f"{b['fused']['kernel_ms']:.3f} ms "
+                     f"(norm + gate kernels {b['gain_from_kernels_ms']:.3f}, "
                      f"copies {b['gain_from_copies_ms']:.3f})")
     return lines
 
@@ -543,7 +553,8 @@ def tensor_parallel_grads(tp: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from core.testing.gdn_tp import CASES, case_name, make_reference, ref_key, rel_err, run_rank, tolerance
+    from core.testing.gdn_tp import (CASES, case_name, make_reference, ref_key, rel_err, run_rank,
+                                     tolerance)
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -559,7 +570,8 @@ def tensor_parallel_grads(tp: int) -> dict:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
         if size == 1:
-            make_reference(ref_path, seq=TP_SEQ, batch=2, deterministic_mode=True, hidden_size=hidden, **sizes)
+            make_reference(ref_path, seq=TP_SEQ, batch=2, deterministic_mode=True,
+                           hidden_size=hidden, **sizes)
     results = run_rank(rank, tp, ref_path, os.path.join(scratch, f"tp_rank{rank}.pt"))
     ref = torch.load(ref_path, weights_only=False)["ref"]
     summary = {}
@@ -567,9 +579,10 @@ def tensor_parallel_grads(tp: int) -> dict:
         got = results[case_name(case)]["after"]
         gathered = [torch.zeros_like(got).cuda() for _ in range(tp)]
         torch.distributed.all_gather(gathered, got.cuda())
-        summary[case_name(case)] = {"rel_err_vs_tp1": rel_err(got, ref[ref_key(case)]["dw"]),
-                                    "tolerance": tolerance(case),
-                                    "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered)}
+        summary[case_name(case)] = {
+            "rel_err_vs_tp1": rel_err(got, ref[ref_key(case)]["dw"]),
+            "tolerance": tolerance(case),
+            "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered)}
     return summary
 
 
@@ -581,22 +594,26 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA graphs, and where the gain comes from (--parts); with --tp N under torchrun, the "
         "out_norm weight gradient at TP = N against TP = 1."))
     parser.add_argument("--out", default="out/gdn_layer", help="folder for gdn_layer.json")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed steps per measurement (perf: per flag state, the two "
                              "alternating; default: 20, --cpu: 2)")
     parser.add_argument("--graph-repeats", type=int, default=GRAPH_REPEATS,
-                        help="graphs: layers built and captured per flag state, in alternating order")
+                        help="graphs: layers built and captured per flag state, in alternating "
+                             "order")
     parser.add_argument("--no-jit", action="store_true", help="disable megatron's jit_fuser")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (dry run)")
     parser.add_argument("--value-heads", type=int, nargs="+", default=None,
                         help="perf and graphs at these per-rank value-head counts (e.g. 32 8 4: "
-                             "TP 1, 4, 8 of Qwen3-Next; default: the model's own, 32, or 4 with --cpu)")
+                             "TP 1, 4, 8 of Qwen3-Next; default: the model's own, 32, or 4 with "
+                             "--cpu)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="SxB",
                         help="perf and graphs shapes, sequence x batch (default: 4096x1 8192x2; "
                              "CPU 64x2); parity and breakdown keep the defaults")
     parser.add_argument("--tp", type=int, default=1,
-                        help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, N processes)")
+                        help="TP size > 1: the out_norm dW against TP = 1 (start with torchrun, "
+                             "N processes)")
     return parser
 
 
@@ -666,7 +683,8 @@ def run_parts(args) -> None:
     else:
         from tools.bench_common import environment
 
-        results = {"env": environment(), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        results = {"env": environment(), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__}
     results["jit_fuser"] = not (args.no_jit or args.cpu)
     path = os.path.join(args.out, "gdn_layer.json")
     os.makedirs(args.out, exist_ok=True)

@@ -3,7 +3,7 @@ the bottleneck: validation, the launch, the autograd entry points, and reference
 the same CPU in the same run (a tiny torch op, Triton's own launch path, the compiled kernel
 called by hand). Compare rows of one run: a VM's CPU speed moves between moments.
 
-    python tools/host_cost.py [--out DIR]        # -> DIR/host_cost.json (tools/benchmark.py runs it too)
+    python tools/host_cost.py [--out DIR]   # -> DIR/host_cost.json (tools/benchmark.py runs it too)
 
 Each timing entry is the mean over five rounds of 600 calls (``best_round_us``: the fastest
 round, the least disturbed one, as timeit reports). ``own_work_units``, the figure of merit, from
@@ -275,7 +275,8 @@ def training_host_cost(timer: HostTimer) -> None:
     timer.measure("ref_torch_empty_us", lambda: xd.new_empty(xd.shape))
     grid, tensors, scalars, warps, options = forward_launch_arguments(xd, gd, wd)
     timer.measure("ref_triton_launch_us",
-                  lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps, **options))
+                  lambda: fgn.gated_norm_fwd[(grid,)](*tensors, *scalars, num_warps=warps,
+                                                      **options))
     pdl = options.get("launch_pdl", False)  # the launcher adds its compile options itself
     timer.measure("direct_launcher_us",
                   lambda: plans.launch_forward(grid, tensors, scalars, warps, launch_pdl=pdl))
@@ -302,7 +303,8 @@ def inference_host_cost(timer: HostTimer) -> None:
     with torch.inference_mode():
         timer.measure("inference_validation_us", lambda: inference._check_inputs(
             x, z, weight, x, EPS, heads, dim, True, "swish"))
-        timer.measure("inference_call_us", lambda: fused_gdn_gated_rms_norm(x, z, weight, x, EPS, heads, dim))
+        timer.measure("inference_call_us",
+                      lambda: fused_gdn_gated_rms_norm(x, z, weight, x, EPS, heads, dim))
 
 
 def host_cost() -> dict:

@@ -9,10 +9,11 @@ Each ``--bt``/``--warps`` pair is one launch configuration; the arguments are ex
 the reduction operand's layout along the row (sizePerThread, threadsPerWarp, warpsPerCTA of the
 last axis): it decides the order of a row's fp32 sum of squares, so two configurations with the
 same row layout give every row the same bits (docs/design.md, Launch choices).
-``exp2_instructions``: the PTX ``ex2`` forms the gate activation compiles to. ``--unaligned`` offsets
-every [B, S, H, D] tensor by one element (no 16-byte alignment); ``--dw-sum-as-usual`` launches
-the backward's dW sum as usual (``backward_impl(dw_sum_pdl=False)``) instead of early. Uses Triton internals
-(``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
+``exp2_instructions``: the PTX ``ex2`` forms the gate activation compiles to. ``--unaligned``
+offsets every [B, S, H, D] tensor by one element (no 16-byte alignment); ``--dw-sum-as-usual``
+launches the backward's dW sum as usual (``backward_impl(dw_sum_pdl=False)``) instead of early.
+Uses Triton internals (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7;
+prints JSON.
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ def row_layouts(ttgir: str) -> list[dict]:
     """Per ``tt.reduce`` along axis 1: the operand's layout along the row."""
     layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M))
     found = []
-    for layout in re.findall(r'"tt\.reduce".*?<\{axis = 1 : i32\}>.*?\}\) : \(tensor<[^,]*, (#\w+)>',
-                             ttgir, re.S):
+    reduce_operand_layout = (r'"tt\.reduce".*?<\{axis = 1 : i32\}>.*?\}\) : '
+                             r'\(tensor<[^,]*, (#\w+)>')
+    for layout in re.findall(reduce_operand_layout, ttgir, re.S):
         fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", layouts[layout]))
         found.append({k: int(fields[k].split(",")[-1]) for k in
                       ("sizePerThread", "threadsPerWarp", "warpsPerCTA")})
@@ -194,7 +196,8 @@ def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: 
     compiled = compile_sm90(kernel, *launch_arguments(kernel, dim, DTYPES[dtype], bt, warps,
                                                       unaligned, dw_sum_pdl))
     if dump:
-        base = Path(dump) / f"{kernel}_d{dim}_{dtype}_bt{bt}_w{warps}{'_unaligned' if unaligned else ''}"
+        suffix = "_unaligned" if unaligned else ""
+        base = Path(dump) / f"{kernel}_d{dim}_{dtype}_bt{bt}_w{warps}{suffix}"
         base.parent.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
             base.with_suffix(f".{ext}").write_text(compiled.asm[ext])

@@ -5,8 +5,8 @@ compared with torch's and with the correctly rounded value (float64 sum).
 
     python tools/parity_sources.py [--out DIR]      # -> DIR/parity_sources.json
 
-tests/fusions/test_fused_gated_norm_gpu.py asserts the conclusion (no difference is left once the rstd is
-shared); docs/numerics.md quotes the figures.
+tests/fusions/test_fused_gated_norm_gpu.py asserts the conclusion (no difference is left once the
+rstd is shared); docs/numerics.md quotes the figures.
 """
 
 from __future__ import annotations

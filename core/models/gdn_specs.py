@@ -124,8 +124,8 @@ def replace_modules(spec: Any, replacements: Mapping[Any, Any],
             "for a GPT model or megatron's hybrid_stack_spec for a hybrid one")
     # a ModuleSpec is a dataclass; classes and functools.partial builders are callable
     if not (isinstance(spec, (list, tuple)) or dataclasses.is_dataclass(spec) or callable(spec)):
-        raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec function, "
-                        f"got {type(spec).__name__} {spec!r}")
+        raise TypeError(f"replace_modules: spec must be a spec, a list of specs or a spec "
+                        f"function, got {type(spec).__name__} {spec!r}")
     rewrite = _Rewrite(tuple(replacements.items()), tuple((params or {}).items()))
     if not (rewrite.pairs or rewrite.params):
         return spec
@@ -167,7 +167,8 @@ _NO_REPLACEMENT = object()
 def _resolve_module_path(module: Any, pairs) -> Any:
     """``ModuleSpec.module`` given as ``(import path, name)``: the object it names, when the name
     is one of the replaced objects' names; else the tuple itself (not imported)."""
-    if not (isinstance(module, tuple) and len(module) == 2 and all(isinstance(p, str) for p in module)):
+    if not (isinstance(module, tuple) and len(module) == 2
+            and all(isinstance(p, str) for p in module)):
         return module
     path, name = module
     if name not in {getattr(old, "__name__", None) for old, _ in pairs}:
@@ -528,14 +529,16 @@ def _with_gdn_mixer(layer: ModuleSpec, mixer: ModuleSpec) -> ModuleSpec:
     )
 
 
-def get_attention_layer_spec(use_te: Optional[bool] = None, qk_layernorm: bool = False) -> ModuleSpec:
+def get_attention_layer_spec(use_te: Optional[bool] = None,
+                             qk_layernorm: bool = False) -> ModuleSpec:
     """A standard causal self-attention TransformerLayer with a dense MLP: megatron's
     ``get_gpt_layer_with_transformer_engine_spec``, or without TE megatron's
     ``get_gpt_layer_local_spec`` (RMSNorm) with its norms made LocalNorm (megatron's
     WrappedTorchNorm refuses sequence parallelism and zero-centred gamma)."""
     if _use_te(use_te):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return _local_norms(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm"))
+    return _local_norms(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
+                                                 normalization="RMSNorm"))
 
 
 def get_gdn_layer_spec(use_te: Optional[bool] = None, config=None) -> ModuleSpec:

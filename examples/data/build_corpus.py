@@ -28,7 +28,8 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stdlib_docstring
 
 # Pure-Python stdlib modules with rich prose docstrings, in corpus order.
 MODULES = [
-    "argparse", "collections/__init__", "functools", "itertools", "textwrap", "string", "re/__init__",
+    "argparse", "collections/__init__", "functools", "itertools", "textwrap", "string",
+    "re/__init__",
     "difflib", "heapq", "bisect", "fractions", "decimal", "_pydecimal", "statistics", "random",
     "datetime", "_pydatetime", "calendar", "pathlib", "shutil", "tempfile", "glob", "fnmatch",
     "csv", "json/__init__", "json/decoder", "json/encoder", "configparser", "logging/__init__",
@@ -37,8 +38,9 @@ MODULES = [
     "hashlib", "hmac", "secrets", "uuid", "ipaddress", "urllib/parse", "http/client",
     "email/message", "smtplib", "ftplib", "socketserver", "unittest/case", "doctest", "pdb",
     "trace", "timeit", "pprint", "reprlib", "weakref", "types", "operator", "numbers", "codecs",
-    "locale", "gettext", "optparse", "getopt", "cmd", "shlex", "sched", "selectors", "asyncio/tasks",
-    "asyncio/events", "concurrent/futures/_base", "multiprocessing/pool", "graphlib", "zoneinfo/_zoneinfo",
+    "locale", "gettext", "optparse", "getopt", "cmd", "shlex", "sched", "selectors",
+    "asyncio/tasks", "asyncio/events", "concurrent/futures/_base", "multiprocessing/pool",
+    "graphlib", "zoneinfo/_zoneinfo",
 ]
 
 
@@ -82,7 +84,8 @@ def main() -> None:
             break
     with open(args.out, "w", encoding="ascii", newline="\n") as f:
         f.write("".join(parts))
-    print(f"wrote {args.out}: {size} bytes, {len(parts)} documents, Python {sys.version.split()[0]}")
+    print(f"wrote {args.out}: {size} bytes, {len(parts)} documents, "
+          f"Python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":

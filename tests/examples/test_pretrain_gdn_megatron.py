@@ -88,7 +88,8 @@ def test_driver_comparisons():
     assert res["vs_saver"]["max_abs_diff"] == 0.0
     assert res["vs_uninterrupted_on"]["max_abs_diff"] == pytest.approx(8e-6)
     text = driver.table({"device": "cpu", "steps": 8, "seed": 1, "ckpt_format": "torch",
-                         "gdn_kernels": "torch", "pairs": {"tp1": pair}, "resumes": {"tp1_off_resumed_on": res}})
+                         "gdn_kernels": "torch", "pairs": {"tp1": pair},
+                         "resumes": {"tp1_off_resumed_on": res}})
     assert "tp1" in text and "3/8" in text and "loaded iteration 4" in text
 
 
@@ -111,11 +112,12 @@ def test_driver_arguments(monkeypatch, capsys):
     args = driver.parse_args(["--steps", "1", "--no-resume"])  # no checkpoint to place
     assert args.steps == 1 and args.save_at is None
     assert driver.parse_args(["--steps", "4"]).save_at == 2
-    for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"),
-                          (["--steps", "1"], "--save-at 1 must be in [1, --steps 1) (or pass --no-resume)"),
-                          (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0"),
-                          (["--timeout", "-1"], "--timeout must be >= 1 (seconds per launch), got -1"),
-                          (["--jobs", "0"], "--jobs must be >= 1, got 0")):
+    for argv, message in (
+            (["--steps", "0"], "--steps must be >= 1, got 0"),
+            (["--steps", "1"], "--save-at 1 must be in [1, --steps 1) (or pass --no-resume)"),
+            (["--tp-sizes", "0"], "--tp-sizes must be >= 1, got 0"),
+            (["--timeout", "-1"], "--timeout must be >= 1 (seconds per launch), got -1"),
+            (["--jobs", "0"], "--jobs must be >= 1, got 0")):
         with pytest.raises(SystemExit):
             driver.parse_args(argv)
         assert message in capsys.readouterr().err, argv

@@ -119,7 +119,7 @@ def test_hybrid_block_with_moe_mlps_matches_unfused():
                         vocab_size=64, max_sequence_length=16)
 
     model = build(True)
-    assert [type(l.mlp).__name__ for l in model.decoder.layers] == ["MoELayer", "MLP"]
+    assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MoELayer", "MLP"]
     assert assert_language_model_matches_unfused(model, build(False), vocab=64, seq=16, seed=1) == 1
     assert model.decoder.layers[0].self_attention.out_norm.weight.grad.abs().sum() > 0
 

@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.interpreter_backward
 def test_host_profile_reports_own_work_from_its_timings():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "tools/host_profile.py", "--rounds", "3", "--calls", "5"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "tools/host_profile.py", "--rounds", "3", "--calls", "5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    values = {name: float(value) for name, value in (line.split() for line in proc.stdout.splitlines())}
+    values = {name: float(value)
+              for name, value in (line.split() for line in proc.stdout.splitlines())}
     assert {"forward_autograd_us", "backward_autograd_us", "ref_autograd_function_backward_us",
             "ref_torch_add_us", "ref_same_signature_forward_us", "ref_same_signature_backward_us",
             "validation_us", "own_units", "own_units_q1", "own_units_q3",
@@ -39,11 +41,13 @@ def test_units_are_host_costs_per_round_formula(monkeypatch):
     from tools import host_profile
     from tools.host_cost import HostTimer, own_work_units, same_signature_units
 
-    times = {"forward_autograd_us": [40.0, 80.0, 44.0], "backward_autograd_us": [150.0, 300.0, 150.0],
+    times = {"forward_autograd_us": [40.0, 80.0, 44.0],
+             "backward_autograd_us": [150.0, 300.0, 150.0],
              "ref_autograd_function_backward_us": [100.0, 200.0, 100.0],
              "ref_torch_add_us": [10.0, 20.0, 10.0],
              "ref_same_signature_forward_us": [30.0, 60.0, 30.0],
-             "ref_same_signature_backward_us": [120.0, 240.0, 120.0], "validation_us": [2.0, 4.0, 2.0]}
+             "ref_same_signature_backward_us": [120.0, 240.0, 120.0],
+             "validation_us": [2.0, 4.0, 2.0]}
     monkeypatch.setattr(HostTimer, "measure_interleaved", lambda self, fns, rounds, calls: times)
     result = host_profile.measure(rounds=3, calls=1)
     assert result["own_units"] == own_work_units(times)["median"] == pytest.approx(9.0)

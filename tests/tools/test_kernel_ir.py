@@ -1,7 +1,7 @@
 """tools/kernel_ir.py compiles the kernels for sm_90 without a GPU (even when the pytest process
 runs the interpreter) and reports the row reduction's layout, which decides a row's bits.
-Checks the claims of docs/design.md (Launch choices: a row's bits follow its layout) on Triton's real
-compiler output."""
+Checks the claims of docs/design.md (Launch choices: a row's bits follow its layout) on Triton's
+real compiler output."""
 
 from __future__ import annotations
 
@@ -31,12 +31,16 @@ def kernel_ir(*args: str) -> list[dict]:
 CONFIGS = [
     *[("fwd", 128, "bf16", bt, warps, True, False) for bt, warps in ((16, 8), (8, 2))],
     ("bwd", 256, "fp32", 4, 4, False, False),
-    *[("fwd", 256, "fp32", bt, 4, unaligned, False) for bt in (8, 4) for unaligned in (False, True)],
+    *[("fwd", 256, "fp32", bt, 4, unaligned, False)
+      for bt in (8, 4) for unaligned in (False, True)],
     *[("bwd", 128, dtype, 4, warps, unaligned, False)
-      for dtype, unaligned in (("bf16", False), ("bf16", True), ("fp32", False)) for warps in (2, 1)],
-    *[("bwd", 256, dtype, 2, warps, False, False) for dtype in ("bf16", "fp32") for warps in (2, 1)],
+      for dtype, unaligned in (("bf16", False), ("bf16", True), ("fp32", False))
+      for warps in (2, 1)],
+    *[("bwd", 256, dtype, 2, warps, False, False)
+      for dtype in ("bf16", "fp32") for warps in (2, 1)],
     ("fwd", 128, "bf16", 16, 8, False, False),
-    *[(kernel, 128, "bf16", 4, 1, False, usual) for kernel in ("bwd", "dw_sum") for usual in (False, True)],
+    *[(kernel, 128, "bf16", 4, 1, False, usual)
+      for kernel in ("bwd", "dw_sum") for usual in (False, True)],
     ("fwd", 128, "bf16", 4, 2, False, False),
 ]
 
@@ -97,7 +101,8 @@ def test_d256_forward_blocks_lay_rows_out_alike(reports):
     # row layout aligned or not, so switching between them changes no bit.
     blocks = ((8, 4), (4, 4))
     assert layouts(described(reports, "fwd", 256, "fp32", blocks)) == [(4, 32, 2)] * 2
-    assert layouts(described(reports, "fwd", 256, "fp32", blocks, unaligned=True)) == [(1, 32, 4)] * 2
+    assert layouts(described(reports, "fwd", 256, "fp32", blocks,
+                             unaligned=True)) == [(1, 32, 4)] * 2
 
 
 def test_d128_backward_blocks_lay_rows_out_alike(reports):
@@ -106,7 +111,8 @@ def test_d128_backward_blocks_lay_rows_out_alike(reports):
     # or 32 lanes (fp32) of one warp in both, aligned or not, so dx and dgate keep their bits.
     blocks = ((4, 2), (4, 1))
     assert layouts(described(reports, "bwd", 128, "bf16", blocks)) == [(8, 16, 1)] * 2
-    assert layouts(described(reports, "bwd", 128, "bf16", blocks, unaligned=True)) == [(8, 16, 1)] * 2
+    assert layouts(described(reports, "bwd", 128, "bf16", blocks,
+                             unaligned=True)) == [(8, 16, 1)] * 2
     assert layouts(described(reports, "bwd", 128, "fp32", blocks)) == [(4, 32, 1)] * 2
 
 

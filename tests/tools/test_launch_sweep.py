@@ -23,8 +23,8 @@ def test_sweep_candidates_keep_the_elements_per_thread_in_range(dim):
 
 
 def test_sweep_best_lines_rank_by_time():
-    results = [{"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": bt, "warps": 4, "us": us, "pct": 1.0}
-               for bt, us in ((8, 3.0), (16, 2.0))]
+    results = [{"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": bt, "warps": 4, "us": us,
+                "pct": 1.0} for bt, us in ((8, 3.0), (16, 2.0))]
     results.append({"kernel": "fwd", "shape": (1, 8, 2, 128), "bt": 4, "warps": 2, "pdl": True,
                     "us": 2.5, "pct": 1.0, "shipped": True})
     fwd_line = best_lines(results)[0]
@@ -129,9 +129,11 @@ def test_sweep_blocks_replace_the_candidates(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--stages", "0"], "--stages '0': expected comma-separated positive integers"),
-    (["--programs-per-sm", "8,x"], "--programs-per-sm '8,x': expected comma-separated positive integers"),
+    (["--programs-per-sm", "8,x"],
+     "--programs-per-sm '8,x': expected comma-separated positive integers"),
     (["--shapes", "1x2"], "shape '1x2': expected BxSxHxD with four positive integers"),
-    (["--blocks", "8x3"], "--blocks '8x3': expected comma-separated ROWSxWARPS pairs of powers of two"),
+    (["--blocks", "8x3"],
+     "--blocks '8x3': expected comma-separated ROWSxWARPS pairs of powers of two"),
     (["--blocks", "8"], "--blocks '8': expected comma-separated ROWSxWARPS pairs of powers of two"),
 ])
 def test_launch_sweep_arguments_are_usage_errors(capsys, argv, message):

@@ -44,7 +44,8 @@ def test_numerics_one_rounding(x_dtype, w_dtype, zero_centered):
 def test_init_zero_centered_from_config_and_sp_tag():
     config = gdn_config(layernorm_zero_centered_gamma=True)
     norm = RMSNorm(config, hidden_size=8, eps=1e-6)
-    assert norm.zero_centered_gamma and torch.equal(norm.weight, torch.zeros(8, dtype=torch.bfloat16))
+    assert norm.zero_centered_gamma
+    assert torch.equal(norm.weight, torch.zeros(8, dtype=torch.bfloat16))
     assert norm.weight.sequence_parallel is False
     assert norm.eps == 1e-6 and getattr(norm, "bias", None) is None
     plain = RMSNorm(gdn_config(), hidden_size=8)

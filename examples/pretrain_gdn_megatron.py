@@ -47,7 +47,7 @@ plus the output), for examples/run_megatron_pairs.py.
 Without a GPU (CI, tests) the launcher runs on the CPU through ``core.testing.cpu``'s shims
 (``install_cpu_shims(training_loop=True)``; gloo, Triton interpreter, ``--deterministic-mode``,
 ``--use-cpu-initialization``, which it asks for before training: the flags of
-examples/run_megatron_pairs.py's CPU runs); docs/internals.md lists where megatron's loop
+examples/run_megatron_pairs.py's CPU runs); core/testing/cpu.py lists where megatron's loop
 needs the shims. megatron's hybrid stack is made of Transformer Engine modules: the CPU run
 builds it with ``core.models.te_to_local``'s megatron-core stand-ins.
 """

@@ -87,7 +87,7 @@ FP16_INITIAL_LOSS_SCALE = 2.0**10
 # elements: with overlap_grad_reduce, every parameter closes its DDP bucket (one per parameter,
 # so each gradient is reduced, and with overlap_param_gather each parameter gathered, on its own)
 OVERLAP_BUCKET_SIZE = 1
-# max |got - expected| / max |full reference gradient|, per parameter (docs/tensor_parallel.md).
+# max |got - expected| / max |full reference gradient|, per parameter (docs/design.md).
 FP32_TOLERANCE = 1e-5
 # The GDN decay parameters' gradients are sums over tokens with heavy cancellation: at TP 1, a
 # 1e-7 relative change of the weights moves them by up to 3.3e-5 in the GPT model and 1.9e-4 in

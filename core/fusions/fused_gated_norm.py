@@ -2,8 +2,9 @@
 
     out = round(round(rms_norm(x) * w_eff) * gate_activation(gate))      ("megatron" rounding)
 
-x and gate are ``[batch, sequence, head, dim]`` views that may be strided (a slice of a packed
-projection, a transposed sbhd view); the kernels address them in place. The norm runs over
+x and gate are ``[batch, sequence, head, dim]`` views with any strides (a slice of a packed
+projection, a transposed sbhd view, every second element of a wider buffer, a gate expanded over
+heads); the kernels address them, and the incoming gradient, in place. The norm runs over
 ``dim`` with one weight of shape ``(dim,)`` shared by all heads.
 
 From the top (docs/design.md has the picture):
@@ -58,8 +59,8 @@ def forward_impl(
     """Launch ``gated_norm_fwd``; returns ``(out, rstd)``, rstd None when ``store_rstd`` is False
     (nothing to differentiate: the output's bits are the same). No input is copied.
 
-    ``out``: optional [B, S, H, D] destination view (for example the transpose of an sbhd
-    buffer); a new contiguous tensor when None. Its rows must not share memory with each other;
+    ``out``: optional [B, S, H, D] destination view with any strides (for example the transpose
+    of an sbhd buffer); a new contiguous tensor when None. Its elements must not share memory;
     it may be x or gate itself (computed in place), else it must not overlap them, nor the
     weight (ValueError). It counts as modified in place (its autograd version goes up, so a
     graph that saved it refuses to backward), and with grad mode on it must not require grad
@@ -98,17 +99,12 @@ def backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd`` and ``gated_norm_dw_sum``; returns ``(dx, dgate, dweight)``.
 
-    dx and dgate are contiguous [B, S, H, D]; dy is read in place (any strides; one whose last
-    dim is not dense is copied first). dweight is the fixed-order sum of the per-program fp32
+    dx and dgate are contiguous [B, S, H, D] in x's and the gate's dtype; dy is read in place
+    (any strides, zero ones included). dweight is the fixed-order sum of the per-program fp32
     partials times ``weight_grad_scale`` (a Python float), rounded once to the weight's dtype.
     ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl`` override the heuristics of
     ``gated_norm_launch`` (tools/launch_sweep.py). Every argument is checked before the launch
     (``check_backward_impl``; rstd as forward_impl returns it)."""
-    try:
-        if dy.stride(-1) != 1:  # autograd may hand us anything; the kernel reads unit strides
-            dy = dy.contiguous()
-    except (AttributeError, TypeError, RuntimeError, IndexError):  # the rules name it
-        pass
     checked = check_backward_impl(x, gate, weight, rstd, dy, zero_centered, gate_activation,
                                   weight_grad_scale, bt, warps, programs, stages, dw_sum_pdl)
     return run_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation,
@@ -181,10 +177,10 @@ def fused_gated_norm(
     [B, S, H, D] views.
 
     Args:
-        x: [batch, sequence, heads, dim] activations (bf16, fp16 or fp32); any strides with a
-            unit last-dim stride.
-        gate: same shape and dtype as x; any strides with a unit last-dim stride (a slice of a
-            packed projection is read in place).
+        x: [batch, sequence, heads, dim] activations (bf16, fp16 or fp32); any strides.
+        gate: x's shape, in x's dtype or fp32 (its gradient comes in its own dtype); any
+            strides: a slice of a packed projection, or a view expanded over heads (zero
+            strides), is read in place.
         weight: (dim,) contiguous norm weight shared by all heads, fp32 or x's dtype.
         eps: added to mean(x^2); a finite Python float (or int) > 0.
         zero_centered: a bool; True: w_eff = 1 + weight (Megatron's zero-centred gamma), False:

@@ -44,10 +44,8 @@ def autograd_backward(
     """``(dx, dgate, dweight)`` for the gradient autograd hands the forward's output, in the
     eager Function (fused_gated_norm.py) and in ``gated_norm_bwd_op`` alike. Everything but the
     backward's own tensors passed the forward's station; those go through
-    ``check_backward_inputs``. dy is read in place where its last dim is dense (autograd may
-    hand any strides; another is copied first)."""
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
+    ``check_backward_inputs``. dy is read in place, whatever strides autograd hands it (the
+    expanded gradient of ``sum()`` has only zero ones)."""
     checked = check_backward_inputs(x, gate, weight, rstd, dy, weight_grad_scale)
     return run_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation,
                         weight_grad_scale, checked)

@@ -98,7 +98,8 @@ def _prepare(key: tuple) -> tuple[int, PreparedLaunch]:
 
     The 2-D tensors are [1, T, H, D] views, described by their layout directly instead of
     through view objects (cheaper on the host). Batch is 1, so tokens are flat and the batch
-    stride is unused: 0 keeps the compile cache key independent of num_tokens."""
+    stride is unused: 0 keeps the compile cache key independent of num_tokens. Elements are
+    adjacent (the unit last-dim stride this entry's rules require)."""
     (tokens, heads, dim, strides, dtype, weight_dtype, device, eps, gate_activation,
      norm_before_gate) = key
     cfg = forward_launch(dim, device)
@@ -106,12 +107,12 @@ def _prepare(key: tuple) -> tuple[int, PreparedLaunch]:
     x_tokens, z_tokens, out_tokens = strides
     args = ForwardArgs(
         ROWS=tokens * heads, HEADS=heads, D=dim, SEQUENCE=tokens,
-        X_STRIDES=(0, x_tokens, dim), GATE_STRIDES=(0, z_tokens, dim),
-        OUT_STRIDES=(0, out_tokens, dim),
+        X_STRIDES=(0, x_tokens, dim, 1), GATE_STRIDES=(0, z_tokens, dim, 1),
+        OUT_STRIDES=(0, out_tokens, dim, 1),
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=True,
-        X_DENSE=dense_blocks(bt, heads, dim, x_tokens, dim, True),
-        GATE_DENSE=dense_blocks(bt, heads, dim, z_tokens, dim, True),
-        OUT_DENSE=dense_blocks(bt, heads, dim, out_tokens, dim, True),
+        X_DENSE=dense_blocks(bt, heads, dim, x_tokens, dim, 1, True),
+        GATE_DENSE=dense_blocks(bt, heads, dim, z_tokens, dim, 1, True),
+        OUT_DENSE=dense_blocks(bt, heads, dim, out_tokens, dim, 1, True),
         EPS=eps, ZERO_CENTERED=False, BT=bt, BLOCK_D=cfg.block_d,
         NORM_DTYPE=tl.float32,  # no intermediate rounding: one rounding at the store
         ACTIVATION=gate_activation, NORM_BEFORE_GATE=norm_before_gate,

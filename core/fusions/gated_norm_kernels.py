@@ -15,6 +15,10 @@ the nearest-even value of dtype T (NORM: the unfused norm's output dtype; fp32 f
                      dw_partial[p] = sum of dn * x^ over the rows of program p
   gated_norm_dw_sum  dweight = round_w(WEIGHT_GRAD_SCALE * sum_p dw_partial[p]), a fixed order
 
+x, gate and dy are read through all four strides of their [B, S, H, D] views (any strides:
+a slice of a packed projection, an sbhd view, a last dim of stride 2, an expanded gate or dy);
+dx and dgate are written contiguous, out through its own strides.
+
 Each kernel's scalar parameters, in its own order, are a named structure at the end
 (``ForwardArgs``, ``BackwardArgs``, ``DwSumArgs``): filled by keyword, passed by position. The
 launch parameters are chosen in ``gated_norm_launch``; docs/numerics.md explains the roundings.
@@ -91,16 +95,33 @@ def _row_offset(row, SEQUENCE, HEADS: tl.constexpr, STRIDE_B, STRIDE_S, STRIDE_H
 
 
 @triton.jit
+def _column_offsets(cols, STRIDE_D):
+    """Element offsets of columns ``cols`` within a row whose elements are STRIDE_D apart.
+
+    A unit stride reaches the kernel as the constant 1 (Triton specialises an integer argument
+    equal to 1, tuple elements included): the offsets are ``cols`` themselves, 32-bit, and the
+    compiled code is that of a kernel with no stride argument. Any other stride (2, 0 for an
+    expanded last dim, the large one of a permuted view) is a runtime value, and the offsets
+    are 64-bit: (D - 1) * STRIDE_D may pass 2**31."""
+    if isinstance(STRIDE_D, tl.constexpr):
+        tl.static_assert(STRIDE_D == 1, "Triton specialises an integer argument equal to 1 only")
+        offsets = cols
+    else:
+        offsets = cols.to(tl.int64) * STRIDE_D
+    return offsets
+
+
+@triton.jit
 def _row_pointers(base, row0, rows, cols, SEQUENCE, HEADS: tl.constexpr, D: tl.constexpr,
                   STRIDES, FLAT_TOKENS: tl.constexpr, DENSE: tl.constexpr):
     """Pointers to the [BT, BLOCK_D] block of ``rows`` (the first is ``row0``) of a strided
-    [B, S, H, D] view whose (batch, sequence, head) strides are the tuple STRIDES.
+    [B, S, H, D] view whose (batch, sequence, head, element) strides are the tuple STRIDES.
 
-    DENSE (``dense_blocks`` on the host): the block's rows lie back to back, D apart. One
-    64-bit offset for the block, then a [BT, D] tile of 32-bit offsets that the compiler sees
-    as contiguous: no address math per row or element (docs/design.md, Launch choices: the
-    forward's real cost is its addressing). Otherwise one
-    64-bit offset per row, columns as 32-bit offsets from it."""
+    DENSE (``dense_blocks`` on the host, which requires a unit element stride): the block's rows
+    lie back to back, D apart. One 64-bit offset for the block, then a [BT, D] tile of 32-bit
+    offsets that the compiler sees as contiguous: no address math per row or element
+    (docs/design.md, Launch choices: the forward's real cost is its addressing). Otherwise one
+    64-bit offset per row, and the columns' offsets from it (``_column_offsets``)."""
     if DENSE:
         first = _row_offset(row0, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2], FLAT_TOKENS)
         local = tl.arange(0, rows.shape[0])
@@ -108,7 +129,7 @@ def _row_pointers(base, row0, rows, cols, SEQUENCE, HEADS: tl.constexpr, D: tl.c
     else:
         offsets = _row_offset(rows, SEQUENCE, HEADS, STRIDES[0], STRIDES[1], STRIDES[2],
                               FLAT_TOKENS)
-        ptrs = (base + offsets)[:, None] + cols[None, :]
+        ptrs = (base + offsets)[:, None] + _column_offsets(cols, STRIDES[3])[None, :]
     return ptrs
 
 
@@ -275,7 +296,8 @@ def gated_norm_bwd(
 
     Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
     NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
-    dx and dgate are written contiguous ``[ROWS, D]``; dy is read in place."""
+    dx and dgate are written contiguous ``[ROWS, D]``, each in its input's dtype (dgate in
+    fp32 for an fp32 gate); dy is read in place."""
     if EARLY_DEPENDENTS:
         gdc_launch_dependents()
     pid = tl.program_id(0)

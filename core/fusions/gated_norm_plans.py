@@ -38,35 +38,41 @@ launch_dw_sum = DirectLauncher(gated_norm_dw_sum, **COMPILE_OPTIONS)
 _TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
                     torch.float32: tl.float32}
 
-# (batch, sequence, head) strides, flat tokens, dense blocks: how a kernel addresses a view.
-Layout = tuple[tuple[int, int, int], bool, bool]
+# (batch, sequence, head, element) strides, flat tokens, dense blocks: how a kernel addresses a
+# view.
+Layout = tuple[tuple[int, int, int, int], bool, bool]
 
 
 def layout(t: torch.Tensor, bt: int) -> Layout:
-    """(batch, sequence, head) strides of a [B, S, H, D] view, whether tokens are flat, and
-    whether blocks of ``bt`` rows are dense (``dense_blocks``).
+    """(batch, sequence, head, element) strides of a [B, S, H, D] view, whether tokens are flat,
+    and whether blocks of ``bt`` rows are dense (``dense_blocks``). Any strides: zero ones
+    (an expanded gate or dy) and a last-dim stride other than 1 included.
 
     With flat tokens the kernel never reads the batch stride: pass 0 so that its value (which
     grows with the sequence length) cannot change Triton's specialisation key, i.e. a new token
-    count never compiles a new kernel."""
+    count never compiles a new kernel. A last dim of one element is read at offset 0: its stride
+    passes as 1, the unit-stride kernel's."""
     batch, seq, heads, dim = t.shape
-    sb, ss, sh, _ = t.stride()
+    sb, ss, sh, sd = t.stride()
     if seq == 1:  # one token per sequence: the batch stride is the token stride
         ss = sb
+    if dim == 1:
+        sd = 1
     flat = batch == 1 or sb == seq * ss
-    return (0 if flat else sb, ss, sh), flat, dense_blocks(bt, heads, dim, ss, sh, flat)
+    return (0 if flat else sb, ss, sh, sd), flat, dense_blocks(bt, heads, dim, ss, sh, sd, flat)
 
 
 def dense_blocks(bt: int, heads: int, dim: int, token_stride: int, head_stride: int,
-                 flat: bool) -> bool:
+                 element_stride: int, flat: bool) -> bool:
     """Whether every block of ``bt`` consecutive rows (blocks start at multiples of ``bt``) lies
-    back to back in memory, one row every ``dim`` elements: heads are ``dim`` apart and the block
-    stays inside one token (``bt`` divides the head count), or tokens are dense too (flat
-    tokens ``heads * dim`` apart). None of it involves the token count, so a new token count
-    never changes the answer (no recompile). For Megatron's tensors: FLA's contiguous output
-    always; the gate slice of the packed projection and the sbhd output buffer (B > 1) when
-    ``bt`` divides the local head count (TP 4-8 ranks with few heads take the per-row path)."""
-    if head_stride != dim:
+    back to back in memory, one row every ``dim`` elements: elements are adjacent (unit
+    ``element_stride``), heads are ``dim`` apart and the block stays inside one token (``bt``
+    divides the head count), or tokens are dense too (flat tokens ``heads * dim`` apart). None of
+    it involves the token count, so a new token count never changes the answer (no recompile).
+    For Megatron's tensors: FLA's contiguous output always; the gate slice of the packed
+    projection and the sbhd output buffer (B > 1) when ``bt`` divides the local head count (TP
+    4-8 ranks with few heads take the per-row path)."""
+    if element_stride != 1 or head_stride != dim:
         return False
     return heads % bt == 0 or (flat and token_stride == heads * dim)
 
@@ -236,7 +242,7 @@ def run_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation, weig
                  checked, bt=None, warps=None, programs=None, stages=None,
                  dw_sum_pdl=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd`` and ``gated_norm_dw_sum``; returns ``(dx, dgate, dweight)``,
-    dx and dgate contiguous. dy is read in place (a unit last-dim stride)."""
+    dx and dgate contiguous in x's and the gate's dtype. dy is read in place (any strides)."""
     batch, seq, heads, dim = x.shape
     if batch * seq * heads == 0 or dim == 0:  # no row contributes: dW is zero at any scale
         return (torch.empty_like(x, memory_format=torch.contiguous_format),

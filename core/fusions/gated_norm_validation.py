@@ -48,7 +48,9 @@ GDN_MODULE_ARGS = ArgNames("core_attn_out", "gate", "out_norm.weight", "config.l
 def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = (),
                              names: ArgNames = KERNEL_ARGS) -> None:
     """The tensor rules for x, gate, the weight and ``others`` (``(name, tensor)`` pairs of x's
-    shape and dtype, such as forward_impl's out or backward_impl's dy)."""
+    shape and dtype, such as forward_impl's out or backward_impl's dy). The gate is in x's dtype
+    or fp32. Any strides: the kernels read all four of x, gate and dy (out's elements must not
+    overlap: memory_overlap.check_out_apart)."""
     check_tensors(entry, ((names.x, x), (names.gate, gate), (names.weight, weight), *others))
     shape = x.shape
     if len(shape) != 4:
@@ -61,11 +63,9 @@ def check_gated_norm_tensors(entry: str, x, gate, weight, others: tuple = (),
                              f"{tuple(t.shape)}")
     batch, seq, heads, dim = shape
     rows = batch * seq * heads
-    check_operands(entry, x, operands, weight, dim, names)
+    check_operands(entry, x, operands, weight, dim, names, fp32_operands=(names.gate,))
     check_head_dim(entry, f"the head dim ({names.x}'s last dim)", dim)
     check_rows(entry, "batch * sequence * heads", rows)
-    if rows and dim:  # an empty view may have any strides
-        check_last_dim_stride(entry, ((names.x, x), *operands))
 
 
 def check_tensors(entry: str, named: tuple) -> None:
@@ -119,9 +119,10 @@ def check_option(entry: str, name: str, value, choices: tuple) -> None:
 
 
 def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.Tensor,
-                   dim: int, names: ArgNames = KERNEL_ARGS) -> None:
+                   dim: int, names: ArgNames = KERNEL_ARGS, fp32_operands: tuple = ()) -> None:
     """The dtype (TypeError), device, weight shape and weight contiguity rules (ValueError) of
-    x, its ``(name, tensor)`` operands (gate / z, out, dy: x's dtype and device) and the weight.
+    x, its ``(name, tensor)`` operands (gate / z, out, dy: x's dtype, or also fp32 for those
+    named in ``fp32_operands``, and x's device) and the weight.
     The device rule comes before any rule that reads an address (the overlap checks): the
     kernels take CUDA tensors when compiled, CPU tensors under the interpreter; a meta tensor
     has no memory at all."""
@@ -130,9 +131,14 @@ def check_operands(entry: str, x: torch.Tensor, operands: tuple, weight: torch.T
     if dtype not in SUPPORTED_ACTIVATION_DTYPES:
         raise TypeError(f"{entry}: {x_name} dtype must be bf16, fp16 or fp32, got {dtype}")
     for name, t in operands:
-        if t.dtype != dtype:
+        if t.dtype == dtype:
+            continue
+        if name not in fp32_operands:
             raise TypeError(f"{entry}: {name} dtype must equal {x_name}'s dtype {dtype}, got "
                             f"{t.dtype}")
+        if t.dtype != torch.float32:  # the kernels compute the gate in fp32 either way
+            raise TypeError(f"{entry}: {name} dtype must be fp32 or {x_name}'s dtype {dtype}, "
+                            f"got {t.dtype}")
     weight_dtype = weight.dtype
     if weight_dtype != dtype and weight_dtype != torch.float32:
         raise TypeError(f"{entry}: {weight_name} dtype must be fp32 or {x_name}'s dtype {dtype}, "
@@ -196,7 +202,8 @@ def check_rows(entry: str, rows_name: str, rows: int) -> None:
 
 
 def check_last_dim_stride(entry: str, named: tuple) -> list:
-    """Each ``(name, tensor)`` has a unit last-dim stride (ValueError); returns their strides."""
+    """Each ``(name, tensor)`` has a unit last-dim stride (ValueError): the inference entry's
+    rule (vLLM's contract); returns their strides."""
     strides = []
     for name, t in named:
         stride = t.stride()

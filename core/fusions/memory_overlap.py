@@ -9,23 +9,24 @@ import torch
 
 
 def check_rows_apart(entry: str, name: str, t: torch.Tensor) -> None:
-    """The rows of ``t`` (every index but the last dim's, unit last stride) do not share memory
-    (ValueError): each is written by one program. Sufficient test: with the row dims sorted by
-    stride, each stride spans everything inside it (a layout that interleaves rows otherwise is
-    refused too)."""
-    extent = t.shape[-1]
-    for size, stride in sorted(zip(t.shape[:-1], t.stride()[:-1]), key=lambda p: p[1]):
+    """No two elements of ``t`` share memory (ValueError): neither two rows (every index but the
+    last dim's), each written by one program, nor two elements of a row. Sufficient test: with
+    the dims sorted by stride, each stride spans everything inside it (a layout that
+    interleaves elements otherwise is refused too). With a unit last stride this is the test of
+    the row dims over rows of ``t.shape[-1]`` elements."""
+    extent = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
         if size > 1:
             if stride < extent:
                 raise ValueError(
-                    f"{entry}: {name} rows must not overlap each other (each is written by one "
-                    f"program): shape {tuple(t.shape)}, strides {t.stride()}"
+                    f"{entry}: {name} rows must not overlap each other or themselves (each "
+                    f"element is written once): shape {tuple(t.shape)}, strides {t.stride()}"
                 )
             extent = stride * (size - 1) + extent
 
 
 def check_out_apart(entry: str, out: torch.Tensor, inputs: tuple, weight: torch.Tensor) -> None:
-    """``out``'s rows are apart (check_rows_apart); ``out`` is each ``(name, tensor)`` of
+    """``out``'s elements are apart (check_rows_apart); ``out`` is each ``(name, tensor)`` of
     ``inputs`` itself (computed in place: a program reads its rows before it writes them) or
     does not overlap it; it never overlaps the weight, which every program reads (ValueError)."""
     check_rows_apart(entry, "out", out)

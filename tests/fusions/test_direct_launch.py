@@ -331,6 +331,25 @@ def test_real_kernels_repeat_bit_identically(gate_offset, monkeypatch):
     assert plans.launch_backward.direct_calls - bwd0 == direct
 
 
+def test_a_last_dim_stride_other_than_1_is_a_launch_key_of_its_own():
+    """The launch key holds the last-dim stride by value: unit-stride launches share one key
+    (one compiled kernel, the one Triton specialises on the constant 1), while a stride of 2 is
+    another key, so its first launch goes through JITFunction.run and Triton compiles the
+    variant that reads the stride (tests/fusions/test_gated_norm_compile.py checks Triton's
+    side). That a token count keeps the key: test_a_new_token_count_keeps_the_direct_path."""
+    weight = make_inputs((1, 64))[2]
+    wide = make_inputs((2, 5, 4, 128), seed=1)[0]
+    views = {"unit": make_inputs((2, 5, 4, 64))[0], "unit_again": make_inputs((2, 5, 4, 64))[0],
+             "stride_2": wide[..., ::2]}
+    signatures = {}
+    for name, x in views.items():
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        plan = plans.forward_plan(x, make_inputs(x.shape)[1], weight, out, EPS, False, "silu",
+                                  True)
+        signatures[name] = plan.launch.signature
+    assert signatures["unit"] == signatures["unit_again"] != signatures["stride_2"]
+
+
 # ------------------------------------------------------------------------------------------------
 # Fallback to kernel[grid] and the installed Triton's ABI
 # ------------------------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ def test_one_input_requiring_grad_gets_its_gradient(needs_grad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_takes_a_gradient_whose_last_dim_is_strided(dtype):
     """Autograd may hand the backward a gradient with a non-unit last stride (here every second
-    element of a wider tensor); the kernel reads unit-stride rows, so backward_impl must copy it
-    first, not read it as if it were dense."""
+    element of a wider tensor): the kernel reads it through that stride, not as if it were
+    dense."""
     x, gate, weight = make_inputs((2, 4, 3, 64), dtype)
     wide = make_inputs((2, 4, 3, 128), dtype, seed=7)[0]
     dy = wide[..., ::2]
@@ -176,6 +176,20 @@ def test_forward_impl_computes_in_place():
         assert out is t and torch.equal(t, want), name
 
 
+def test_forward_impl_writes_into_a_view_with_any_last_dim_stride():
+    """out may be every second element of a wider buffer (the others keep their values), also
+    computed in place when x is that very view."""
+    x, gate, weight = make_inputs((2, 3, 4, 64), torch.bfloat16)
+    want, _ = forward_impl(x, gate, weight, EPS)
+    buffer = torch.zeros(2, 3, 4, 128, dtype=x.dtype, device=x.device)
+    out, _ = forward_impl(x, gate, weight, EPS, out=buffer[..., 1::2])
+    assert torch.equal(out, want) and torch.equal(buffer[..., ::2], torch.zeros_like(x))
+    buffer[..., ::2] = x
+    strided_x = buffer[..., ::2]
+    out, _ = forward_impl(strided_x, gate, weight, EPS, out=strided_x)
+    assert out is strided_x and torch.equal(buffer[..., ::2], want)
+
+
 def test_forward_impl_writing_into_out_counts_as_in_place():
     """A kernel's write is invisible to autograd: forward_impl bumps out's version, so a graph
     that saved the tensor refuses to backward instead of using the overwritten values, as after
@@ -217,12 +231,18 @@ def test_impls_take_row_blocks_up_to_tritons_largest_tile():
 
 def _bad_inputs():
     x, gate, weight = make_inputs((1, 2, 2, 64), torch.bfloat16)
-    strided = make_inputs((1, 2, 2, 128), torch.bfloat16, seed=1)[0][..., ::2]
     meta = torch.empty(1, 2, 2, 64, dtype=torch.bfloat16, device="meta")
     return {
         "rank": ((x[0], gate[0], weight, EPS), ValueError, "x must have rank 4"),
         "gate_shape": ((x, gate[:, :1], weight, EPS), ValueError, "gate must have x's shape"),
-        "gate_dtype": ((x, gate.half(), weight, EPS), TypeError, "gate dtype must equal x's dtype"),
+        # megatron main's rule: the gate in x's dtype or fp32 (test_gated_norm_kernels.py)
+        "gate_dtype": ((x, gate.half(), weight, EPS), TypeError,
+                       "gate dtype must be fp32 or x's dtype torch.bfloat16, got torch.float16"),
+        "gate_dtype_fp64": ((x, gate.double(), weight, EPS), TypeError,
+                            "gate dtype must be fp32 or x's dtype"),
+        "gate_dtype_below_fp32_x": ((x.float(), gate, weight.float(), EPS), TypeError,
+                                    "gate dtype must be fp32 or x's dtype torch.float32, got "
+                                    "torch.bfloat16"),
         "x_dtype": ((x.double(), gate.double(), weight.double(), EPS), TypeError,
                     "x dtype must be"),
         "int_dtype": ((x.int(), gate.int(), weight, EPS), TypeError, "x dtype must be"),
@@ -231,10 +251,6 @@ def _bad_inputs():
         "weight_shape": ((x, gate, weight[:32], EPS), ValueError,
                          r"weight must have shape \(64,\)"),
         "weight_2d": ((x, gate, weight.view(1, 64), EPS), ValueError, "weight must have shape"),
-        "x_last_stride": ((strided, gate, weight, EPS), ValueError,
-                          "x must have last-dim stride 1"),
-        "gate_last_stride": ((x, strided, weight, EPS), ValueError,
-                             "gate must have last-dim stride 1"),
         "device": ((x, gate, weight.to("meta"), EPS), ValueError,
                    "x, gate and weight must be on one device"),
         "device_x": ((meta, gate, weight, EPS), ValueError, "must be on one device"),
@@ -438,6 +454,11 @@ def _impl_calls():
         "out_rows_overlap": (lambda: fwd(x, gate, weight, EPS, out=torch.empty_like(x)[:, :, :1]
                                          .expand(x.shape)), ValueError,
                              "forward_impl: out rows must not overlap each other"),
+        # a zero last stride: the elements of a row are one (x and gate may be, out may not)
+        "out_elements_overlap": (lambda: fwd(x, gate, weight, EPS,
+                                             out=torch.empty_like(x)[..., :1].expand(x.shape)),
+                                 ValueError, "forward_impl: out rows must not overlap each other "
+                                             "or themselves"),
         "out_over_weight": (lambda: fwd(x, gate, weight_in_out[0, 0, 0], EPS, out=weight_in_out),
                             ValueError, "forward_impl: out must not overlap weight"),
         "eps_bool": (lambda: fwd(x, gate, weight, True), TypeError,
@@ -525,6 +546,19 @@ def _impl_calls():
         "dw_sum_pdl": (lambda: bwd(x, gate, weight, rstd, x, dw_sum_pdl=1), TypeError,
                        "backward_impl: dw_sum_pdl must be a bool"),
     }
+
+
+def test_only_the_gate_may_be_fp32():
+    """An fp32 gate goes with a bf16 x (megatron main's rule); out and dy stay in x's dtype, so an
+    fp32 gate is no out for a bf16 x (TypeError before any launch)."""
+    x, gate, weight = make_inputs((1, 2, 2, 64), torch.bfloat16)
+    gate = gate.float()
+    out, rstd = forward_impl(x, gate, weight, EPS)
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="forward_impl: out dtype must equal x's dtype"):
+        forward_impl(x, gate, weight, EPS, out=gate)
+    with pytest.raises(TypeError, match="backward_impl: dy dtype must equal x's dtype"):
+        backward_impl(x, gate, weight, rstd, out.float())
 
 
 @pytest.mark.parametrize("case", list(_impl_calls()))

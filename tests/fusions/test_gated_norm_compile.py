@@ -62,6 +62,31 @@ def test_compile_fullgraph_matches_eager(backend, out_layout):
         assert traced[0].transpose(0, 1).is_contiguous()
 
 
+def test_compile_takes_any_view_and_an_fp32_gate():
+    """Under torch.compile the custom ops take the views the eager path takes (x every second
+    element of a wider buffer, an fp32 gate of one head expanded over the heads, the expanded
+    gradient of ``sum()``), with the eager path's output and gradients, bit for bit."""
+    torch._dynamo.reset()
+    x_source = make_inputs((2, 5, 3, 128))[0]
+    gate_source = make_inputs((2, 5, 1, 64), torch.float32, seed=1)[0]
+    weight = make_inputs((1, 64))[2]
+
+    def layer(x_source, gate_source, weight):
+        x, gate = x_source[..., ::2], gate_source.expand(2, 5, 3, 64)
+        return fused_gated_norm(x, gate, weight, EPS)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (layer, compiled):
+        leaves = [t.detach().clone().requires_grad_() for t in (x_source, gate_source, weight)]
+        out = fn(*leaves)
+        out.sum().backward()
+        results.append((out, *(t.grad for t in leaves)))
+    assert results[0][2].dtype == torch.float32  # the gate's gradient, in the gate's dtype
+    for name, a, b in zip(("out", "dx", "dgate", "dweight"), *results):
+        assert torch.equal(a, b), name
+
+
 def test_compile_traces_the_input_rules(monkeypatch):
     """Under torch.compile the input rules are traced as they are: the memo of checked
     signatures, whose keys would hold traced sizes, is neither read nor filled (the custom op
@@ -183,3 +208,49 @@ def test_token_count_does_not_change_the_compile_key(launch_rules, batch):
                                 "token counts")
         assert len(sbhd) == 1, (f"{kernel_name} (sbhd): {len(sbhd)} variants for {len(seqs)} "
                                 "token counts")
+
+
+def _specialisations(kernel_name, run) -> list[dict]:
+    """Triton's specialisation of each parameter (name -> (type, attribute)) of every launch of
+    ``kernel_name`` that ``run()`` makes, for an sm_90 target; nothing runs."""
+    kernel_ir = _kernel_ir()
+    binder, jit, _ = kernel_ir.sm90_binder(getattr(kernels, kernel_name))
+    launcher = {"gated_norm_fwd": plans.launch_forward,
+                "gated_norm_bwd": plans.launch_backward}[kernel_name]
+    with kernel_ir.recording(launcher) as launches, kernel_ir.recording(plans.launch_dw_sum):
+        run()
+    return [dict(zip([p.name for p in jit.params], binder(*args, **kwargs)[1]))
+            for args, kwargs in launches]
+
+
+@pytest.mark.parametrize("launch_rules", ["h200"], indirect=True)
+def test_only_a_unit_last_dim_stride_compiles_as_the_constant_1(launch_rules):
+    """The last-dim stride is a kernel argument that Triton specialises when it is 1: the
+    unit-stride launch compiles with the constant 1 there (so ``cols * 1`` is ``cols``: the code
+    of a kernel without the argument), whatever the token count; any other stride is a runtime
+    value, one compiled variant for the strides of one integer class (2 and 6 alike)."""
+    x, gate, weight = make_inputs((2, 5, 4, 128))
+    wide = make_inputs((2, 5, 4, 6 * 128), seed=1)[0]
+    views = {"unit": x, "unit_other_tokens": make_inputs((2, 9, 4, 128))[0],
+             "stride_2": wide[..., :256:2], "stride_6": wide[..., ::6]}
+    contiguous = {name: make_inputs(t.shape)[1] for name, t in views.items()}
+
+    def forwards():  # each view as x
+        for name, t in views.items():
+            forward_impl(t, contiguous[name], weight, EPS)
+
+    def backwards():  # each view as dy
+        for name, t in views.items():
+            c = contiguous[name]
+            backward_impl(c, c, weight, torch.ones(t.shape[:3]), t)
+
+    for kernel_name, run, strides in (("gated_norm_fwd", forwards, "X_STRIDES"),
+                                      ("gated_norm_bwd", backwards, "DY_STRIDES")):
+        specs = dict(zip(views, _specialisations(kernel_name, run)))
+        assert {name: spec[strides][0][3] for name, spec in specs.items()} == {
+            "unit": "constexpr", "unit_other_tokens": "constexpr", "stride_2": "i32",
+            "stride_6": "i32"}, kernel_name
+        assert specs["unit"][strides][1][3] == 1
+        keys = {name: repr(sorted(spec.items())) for name, spec in specs.items()}
+        assert keys["unit"] == keys["unit_other_tokens"], kernel_name
+        assert keys["stride_2"] == keys["stride_6"] != keys["unit"], kernel_name

@@ -14,7 +14,7 @@ import triton.language as tl
 import core.fusions.gated_norm_kernels as kernels
 import core.fusions.gated_norm_plans as plans
 from core.fusions.fused_gated_norm import backward_impl, forward_impl, fused_gated_norm
-from core.fusions.gated_norm_kernels import _row_offset
+from core.fusions.gated_norm_kernels import _column_offsets, _row_offset
 from core.fusions.gated_norm_reference import relative_error, ulp_distance, unfused_gated_norm
 from tests.gated_norm_checks import (
     assert_bitwise_or_within_ulps,
@@ -221,6 +221,144 @@ def test_strided_layouts_forward_and_backward(layout, out_layout, dtype):
     torch.testing.assert_close(grads[2].float(), ref_grads[2].float(), rtol=1e-2, atol=1e-2)
 
 
+# ------------------------------------------------------------------------------------------- views
+
+
+# Every view of x, gate and dy the contract allows, each made from a source buffer of its own
+# (B, S, H, D = 2, 4, 3, 96; D not a power of two: masked columns): name -> {tensor: (source
+# shape, the [B, S, H, D] view of the source)}; a tensor not named is contiguous.
+B, S, H, D = 2, 4, 3, 96
+VIEWS = {
+    "x_every_second_element": {"x": ((B, S, H, 2 * D), lambda t: t[..., ::2])},
+    # permuted out of an sbhd buffer, then every second element
+    "x_sbhd_every_second_element": {"x": ((S, B, H, 2 * D),
+                                          lambda t: t.transpose(0, 1)[..., 1::2])},
+    # the head dim outermost: a last-dim stride of B * S * H, heads adjacent
+    "x_dim_outermost": {"x": ((D, B, S, H), lambda t: t.permute(1, 2, 3, 0))},
+    "gate_every_second_element": {"gate": ((B, S, H, 2 * D), lambda t: t[..., 1::2])},
+    "gate_heads_and_dim_swapped": {"gate": ((B, S, D, H), lambda t: t.transpose(2, 3))},
+    "gate_of_one_head_over_heads": {"gate": ((B, S, 1, D), lambda t: t.expand(B, S, H, D))},
+    "gate_broadcast": {"gate": ((D,), lambda t: t.expand(B, S, H, D))},
+    "gate_one_value_per_row": {"gate": ((B, S, H, 1), lambda t: t.expand(B, S, H, D))},
+    # the gradient of ``sum()``: one value, all strides 0
+    "dy_expanded": {"dy": ((), lambda t: t.expand(B, S, H, D))},
+    "dy_every_second_element": {"dy": ((B, S, H, 2 * D), lambda t: t[..., ::2])},
+    "all_strided": {"x": ((S, B, H, 2 * D), lambda t: t.transpose(0, 1)[..., ::2]),
+                    "gate": ((B, S, 1, D), lambda t: t.expand(B, S, H, D)),
+                    "dy": ((B, S, H, 2 * D), lambda t: t[..., 1::2])},
+}
+CONTIGUOUS = ((B, S, H, D), lambda t: t)
+
+
+def _view_sources(views: dict, dtype, gate_dtype=None) -> dict:
+    """Random source buffers of the views (x ~ N(0, 1), gate ~ N(0, 4) as make_inputs)."""
+    gen = torch.Generator().manual_seed(0)
+    scales = {"x": 1.0, "gate": 2.0, "dy": 1.0}
+    return {name: (scales[name] * torch.randn(views[name][0], generator=gen)).to(
+        DEVICE, gate_dtype if name == "gate" and gate_dtype else dtype) for name in scales}
+
+
+def _through_views(fn, views: dict, sources: dict, weight, cast=lambda t: t):
+    """``fn`` (fused or unfused) on the views of (``cast`` of) the sources: its output and the
+    gradients of the x source, the gate source and the weight for the view of dy."""
+    leaves = [cast(sources[name]).detach().requires_grad_() for name in ("x", "gate")]
+    leaves.append(cast(weight).detach().requires_grad_())
+    x, gate = (views[name][1](t) for name, t in zip(("x", "gate"), leaves))
+    dy = views["dy"][1](cast(sources["dy"]))
+    out = fn(x, gate, leaves[2], EPS)
+    return out, torch.autograd.grad(out, leaves, dy)
+
+
+def _assert_views_match_unfused(views: dict, sources: dict, weight) -> tuple:
+    """The output bitwise or within an ulp of the unfused one, the source gradients in its
+    dtypes and no less accurate against float64; bf16 source gradients also bitwise or within an
+    ulp (fp16 ones flip a rounding more often, and a sum over an expanded gate's copies may
+    cancel: there the norm-wise accuracy rule is the contract). Returns the fused gradients."""
+    fused_out, fused = _through_views(fused_gated_norm, views, sources, weight)
+    unfused_out, unfused = _through_views(unfused_gated_norm, views, sources, weight)
+    _, exact = _through_views(unfused_gated_norm, views, sources, weight, torch.Tensor.double)
+    assert_bitwise_or_within_ulps(fused_out, unfused_out)
+    names = ("x source", "gate source", "weight")
+    assert [g.dtype for g in fused] == [g.dtype for g in unfused]
+    assert_no_less_accurate(fused, unfused, exact, names)
+    for got, want in zip(fused[:2], unfused[:2]):
+        if got.dtype == torch.bfloat16:
+            assert_bitwise_or_within_ulps(got, want)
+    return fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", VIEWS)
+def test_views_forward_and_gradients_to_the_source_buffers(case, dtype):
+    """x, gate and dy with any four strides (a last-dim stride other than 1, zero strides, heads
+    adjacent) are read in place: the output and the gradients that reach each source buffer
+    (summed over an expanded gate's copies by autograd) are the unfused path's."""
+    views = {"x": CONTIGUOUS, "gate": CONTIGUOUS, "dy": CONTIGUOUS} | VIEWS[case]
+    sources = _view_sources(views, dtype)
+    x, gate, dy = (views[name][1](sources[name]) for name in ("x", "gate", "dy"))
+    assert not (x.is_contiguous() and gate.is_contiguous() and dy.is_contiguous())
+    weight = make_inputs((1, D), dtype)[2]
+    _assert_views_match_unfused(views, sources, weight)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("case", ["contiguous", "gate_every_second_element",
+                                  "gate_of_one_head_over_heads", "all_strided"])
+def test_fp32_gate_with_low_precision_x(case, dtype):
+    """A gate in fp32 with a bf16 or fp16 x (megatron main's rule): the kernel reads it as it is
+    (the result is not that of the gate rounded to x's dtype), and its gradient is fp32, as
+    autograd's of the unfused ``y * act(gate.float())``."""
+    views = {"x": CONTIGUOUS, "gate": CONTIGUOUS, "dy": CONTIGUOUS} | VIEWS.get(case, {})
+    sources = _view_sources(views, dtype, gate_dtype=torch.float32)
+    weight = make_inputs((1, D), dtype)[2]
+    x, gate = (views[name][1](sources[name]) for name in ("x", "gate"))
+    out = fused_gated_norm(x, gate, weight, EPS)
+    assert out.dtype == dtype
+    assert not torch.equal(out, unfused_gated_norm(x, gate.to(dtype), weight, EPS))
+    dx_source, dgate_source, _ = _assert_views_match_unfused(views, sources, weight)
+    assert dx_source.dtype == dtype and dgate_source.dtype == torch.float32
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["gate_bf16",
+                                                                             "gate_fp32"])
+def test_views_without_rows(gate_dtype):
+    """Views with no rows (no tokens) launch nothing: an empty output, empty gradients of the
+    sources in their own dtypes, a zero dW."""
+    x_source = torch.randn(0, B, H, 2 * D, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    gate_source = torch.randn(B, 0, 1, D, device=DEVICE, dtype=gate_dtype).requires_grad_()
+    weight = make_inputs((1, D), torch.bfloat16)[2].requires_grad_()
+    x = x_source.transpose(0, 1)[..., ::2]
+    out = fused_gated_norm(x, gate_source.expand(B, 0, H, D), weight, EPS)
+    assert out.shape == (B, 0, H, D) and out.dtype == torch.bfloat16
+    dy = torch.ones((), device=DEVICE, dtype=torch.bfloat16).expand(out.shape)
+    dx, dgate, dweight = torch.autograd.grad(out, (x_source, gate_source, weight), dy)
+    assert dx.shape == x_source.shape and dgate.shape == gate_source.shape
+    assert dgate.dtype == gate_dtype
+    assert torch.equal(dweight, torch.zeros_like(weight))
+
+
+def test_the_gradient_of_sum_is_read_with_its_zero_strides(monkeypatch):
+    """``out.sum().backward()`` hands the backward one value expanded over the output (all
+    strides 0): the kernel reads it as it is, and the sources get the unfused path's
+    gradients."""
+    strides, launch = [], plans.launch_backward.launch
+    monkeypatch.setattr(plans.launch_backward, "launch",
+                        lambda grid, tensors, *rest: (strides.append(tensors[4].stride()),
+                                                      launch(grid, tensors, *rest)))
+    views = {"x": CONTIGUOUS, "dy": CONTIGUOUS} | VIEWS["all_strided"]
+    sources = _view_sources(views, torch.bfloat16)
+    weight = make_inputs((1, D), torch.bfloat16)[2]
+    grads = []
+    for fn in (fused_gated_norm, unfused_gated_norm):
+        leaves = [sources[name].detach().requires_grad_() for name in ("x", "gate")]
+        x, gate = (views[name][1](t) for name, t in zip(("x", "gate"), leaves))
+        fn(x, gate, weight, EPS).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert strides == [(0, 0, 0, 0)]
+    for got, want in zip(*grads):
+        assert_bitwise_or_within_ulps(got, want)
+
+
 # ------------------------------------------------------------------------------------- 64-bit rows
 
 
@@ -253,6 +391,23 @@ def test_row_offset_is_64_bit(flat_tokens):
     token, head = rows // heads, rows % heads
     expected = (token // seq) * stride_b + (token % seq) * stride_s + head * stride_h
     assert expected.max() > 2**33
+    assert torch.equal(out.cpu(), expected)
+
+
+@triton.jit
+def _column_offsets_kernel(out_ptr, STRIDE_D, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + cols, _column_offsets(cols, STRIDE_D).to(tl.int64))
+
+
+@pytest.mark.parametrize("stride", [1, 0, 2, 2**20])
+def test_column_offsets_are_64_bit_past_a_unit_stride(stride):
+    """A row of 8192 elements (MAX_HEAD_DIM) 2**20 apart spans ~8.6e9 elements, past 2**31: a
+    stride other than 1 gives 64-bit column offsets (1 gives the columns themselves)."""
+    out = torch.empty(8192, dtype=torch.int64, device=DEVICE)
+    _column_offsets_kernel[(1,)](out, stride, 8192)
+    expected = torch.arange(8192, dtype=torch.int64) * stride
+    assert stride != 2**20 or expected.max() > 2**32
     assert torch.equal(out.cpu(), expected)
 
 

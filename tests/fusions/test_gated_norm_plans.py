@@ -65,14 +65,15 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
     tensors = ("x", "gate", "weight", "out", "rstd")
     for got, want in ((train, (x, gate, weight, out, rstd)), (infer, (x2, z2, weight, out2, None))):
         assert all(got.pop(name) is t for name, t in zip(tensors, want))
-    # (batch, sequence, head) strides; flat tokens (batch stride = S x token stride, never read
-    # by the kernel) pass 0 for the batch: x and the packed gate are flat, the sbhd out is not.
+    # (batch, sequence, head, element) strides; flat tokens (batch stride = S x token stride,
+    # never read by the kernel) pass 0 for the batch: x and the packed gate are flat, the sbhd
+    # out is not.
     assert x.stride(0) == 5 * x.stride(1) and gate.stride(0) == 5 * gate.stride(1)
     assert out.stride(0) != 5 * out.stride(1)
     assert train == dict(
         ROWS=30, HEADS=3, D=64, SEQUENCE=5,
-        X_STRIDES=(0, *x.stride()[1:3]), GATE_STRIDES=(0, *gate.stride()[1:3]),
-        OUT_STRIDES=out.stride()[:3],
+        X_STRIDES=(0, *x.stride()[1:]), GATE_STRIDES=(0, *gate.stride()[1:]),
+        OUT_STRIDES=out.stride(),
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=False,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=False,
         EPS=0.25, ZERO_CENTERED=True, BT=2, BLOCK_D=64, NORM_DTYPE=tl.bfloat16,
@@ -82,8 +83,8 @@ def test_forward_launch_arguments_follow_the_kernel_signature(monkeypatch):
     assert z2.stride(0) != 128  # the packed projection's token stride
     assert infer == dict(  # one sequence of 7 tokens, heads D = 64 apart within a row
         ROWS=14, HEADS=2, D=64, SEQUENCE=7,
-        X_STRIDES=(0, x2.stride(0), 64), GATE_STRIDES=(0, z2.stride(0), 64),
-        OUT_STRIDES=(0, out2.stride(0), 64),
+        X_STRIDES=(0, x2.stride(0), 64, 1), GATE_STRIDES=(0, z2.stride(0), 64, 1),
+        OUT_STRIDES=(0, out2.stride(0), 64, 1),
         X_FLAT_TOKENS=True, GATE_FLAT_TOKENS=True, OUT_FLAT_TOKENS=True,
         X_DENSE=True, GATE_DENSE=False, OUT_DENSE=True,
         EPS=0.5, ZERO_CENTERED=False, BT=forward_launch(64, x.device).bt, BLOCK_D=64,
@@ -143,7 +144,28 @@ class _LaunchSpy:
         return launch
 
 
-def test_no_input_is_copied(monkeypatch):
+def _every_second_element(t):
+    """The values of ``t`` as every second element of a buffer twice as wide (last stride 2)."""
+    buffer = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])
+    buffer[..., ::2].copy_(t)
+    return buffer[..., ::2]
+
+
+# (x, gate, dy) as Megatron hands them, and the views of any other caller: a last-dim stride of
+# 2, a gate of one head expanded over the heads (in fp32), the expanded gradient of ``sum()``.
+NO_COPY_VIEWS = {
+    "megatron": lambda x, gate, dy: (sbhd_view(x), packed_projection_gate(x.shape, x.dtype),
+                                     sbhd_view(dy)),
+    "strided_last_dim": lambda x, gate, dy: (_every_second_element(x),
+                                             _every_second_element(gate),
+                                             _every_second_element(dy)),
+    "expanded": lambda x, gate, dy: (x, gate[:, :, :1].float().expand(gate.shape),
+                                     dy[:1, :1, :1, :1].expand(dy.shape)),
+}
+
+
+@pytest.mark.parametrize("views", NO_COPY_VIEWS)
+def test_no_input_is_copied(monkeypatch, views):
     fwd_spy, bwd_spy = _LaunchSpy(kernels.gated_norm_fwd), _LaunchSpy(kernels.gated_norm_bwd)
     sum_spy = _LaunchSpy(kernels.gated_norm_dw_sum)
     for launcher, spy in ((plans.launch_forward, fwd_spy), (plans.launch_backward, bwd_spy),
@@ -151,9 +173,9 @@ def test_no_input_is_copied(monkeypatch):
         monkeypatch.setattr(launcher, "kernel", spy)
         monkeypatch.setattr(launcher, "compiled", {})  # no kernel kept from earlier tests
     x, gate, weight = make_inputs((2, 4, 3, 64), torch.bfloat16)
-    x, gate = sbhd_view(x), packed_projection_gate(x.shape, x.dtype)
+    dy = make_inputs(x.shape, torch.bfloat16, seed=4)[0]
+    x, gate, dy = NO_COPY_VIEWS[views](x, gate, dy)
     leaves = [t.detach().requires_grad_() for t in (x, gate, weight)]
-    dy = sbhd_view(make_inputs(x.shape, torch.bfloat16, seed=4)[0])
     with RecordOps() as rec:
         out = fused_gated_norm(*leaves, EPS, out_layout="sbhd")
         torch.autograd.grad(out, leaves, dy)
@@ -207,6 +229,14 @@ def test_dense_blocks_rules():
     assert _dense(sbhd, 4) and not _dense(sbhd, 8)  # not flat: only within a token
     heads_apart = torch.empty(2, 5, 64, 8, device="meta").transpose(2, 3)[:, :, :4]  # head stride 1
     assert heads_apart.shape == (2, 5, 4, 64) and not _dense(heads_apart, 4)
+    # Rows D apart, but elements 2 apart: the dense tile would read the wrong elements.
+    every_second = torch.empty(5120, device="meta").as_strided((2, 5, 4, 64), (1280, 256, 64, 2))
+    assert not _dense(every_second, 4) and plans.layout(every_second, 4)[0][3] == 2
+    expanded = torch.empty(64, device="meta").expand(2, 5, 4, 64)
+    assert not _dense(expanded, 4) and plans.layout(expanded, 4)[0] == (0, 0, 0, 1)
+    # A last dim of one element is at offset 0 whatever its stride: the unit-stride kernel's.
+    one_element = torch.empty(1, 2, 5, 4, device="meta").permute(1, 2, 3, 0)
+    assert one_element.stride(-1) != 1 and plans.layout(one_element, 4)[0][3] == 1
 
 
 # ----------------------------------------------------------------------------------- backward grid

@@ -1,5 +1,6 @@
 """What an ``out`` may share with the tensors a kernel reads (core.fusions.memory_overlap): the
-overlap of two views from their metadata and addresses, and rows written by one program each."""
+overlap of two views from their metadata and addresses, and rows written by one program each
+(their elements apart too, whatever the last-dim stride)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ def test_overlap_at_the_edges_of_two_spans():
     (lambda t: torch.zeros(96).as_strided((1, 1, 4, 16), (64, 64, 15, 1)), False),
     (lambda t: torch.zeros(200).as_strided((1, 3, 4, 16), (192, 64, 16, 1)), True),
     (lambda t: torch.zeros(200).as_strided((1, 3, 4, 16), (192, 63, 16, 1)), False),
+    # any last-dim stride: every second element, heads interleaved with elements, a row that
+    # reaches into the next one, one element for the whole row
+    (lambda t: torch.zeros(2, 3, 4, 32)[..., ::2], True),
+    (lambda t: torch.zeros(64).as_strided((1, 1, 2, 16), (64, 64, 1, 2)), True),
+    (lambda t: torch.zeros(64).as_strided((1, 1, 2, 16), (64, 64, 16, 2)), False),
+    (lambda t: t[..., :1].expand(2, 3, 4, 16), False),
 ])
 def test_rows_apart(view, apart):
     t = view(torch.zeros(2, 3, 4, 16))

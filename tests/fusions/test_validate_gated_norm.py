@@ -147,9 +147,10 @@ def test_validation_names_the_modules_tensors():
         validate_gated_norm(module, x[..., :32], gate)
     with pytest.raises(ValueError, match=r"requires gate of shape \[batch, seq, heads, 64\]"):
         validate_gated_norm(module, x, gate[0])
-    with pytest.raises(TypeError, match="fused_gated_norm: gate dtype must equal core_attn_out's "
-                                        "dtype"):
-        validate_gated_norm(module, x, gate.float())
+    with pytest.raises(TypeError, match="fused_gated_norm: gate dtype must be fp32 or "
+                                        "core_attn_out's dtype"):
+        validate_gated_norm(module, x, gate.half())
+    validate_gated_norm(module, x, gate.float())  # megatron main's validator takes it too
     module.out_norm.weight = module.out_norm.weight.half()
     with pytest.raises(TypeError, match="fused_gated_norm: out_norm.weight dtype must be fp32 or "
                                         "core_attn_out's dtype"):

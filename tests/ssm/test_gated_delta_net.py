@@ -361,18 +361,16 @@ def test_validation_accepts_good_inputs(fused_module):
         (lambda m: (m, (_xg(torch.float64))), TypeError,
          "fused_gated_norm: core_attn_out dtype must be bf16, fp16 or fp32"),
         (lambda m: (m, (_xg()[0], _xg(torch.float16)[1])), TypeError,
-         "fused_gated_norm: gate dtype must equal core_attn_out's dtype"),
+         "fused_gated_norm: gate dtype must be fp32 or core_attn_out's dtype"),
         (lambda m: (_with_norm_weight(m, torch.ones(16, dtype=torch.float16)), _xg()), TypeError,
          "fused_gated_norm: out_norm.weight dtype must be fp32 or core_attn_out's dtype"),
         (lambda m: (_with_norm_weight(m, torch.ones(32, dtype=torch.bfloat16)[::2]), _xg()),
          ValueError, "fused_gated_norm: out_norm.weight must be contiguous"),
-        (lambda m: (m, (_xg()[0], torch.randn(2, 3, 4, 32).to(torch.bfloat16)[..., ::2])),
-         ValueError, "gate must have last-dim stride 1"),
         (lambda m: (m, (_xg()[0].to("meta"), _xg()[1].to("meta"))), ValueError,
          "fused_gated_norm: core_attn_out, gate and out_norm.weight must be on one device"),
     ],
     ids=["normalization", "activation", "eps", "x-heads", "gate-heads", "dtype", "gate-dtype",
-         "weight-dtype", "weight-stride", "stride", "device"],
+         "weight-dtype", "weight-stride", "device"],
 )
 def test_validation_rejections(fused_module, make, error, match):
     module, (x, gate) = make(fused_module)

@@ -1,8 +1,8 @@
 """core.ssm.fsdp_tags: a tag reaches Megatron-FSDP's distributed copy of a parameter (found again
 only when the copy changed), torch FSDP2's sharded parameter behind the forward's unsharded one
 is found and read (a real ``fully_shard`` on a one-process gloo group); megatron-core still drops
-the tag from its copies; and every private name these rely on is still where the installed torch
-and megatron-core keep it. The layer's use of them is in test_gdn_tp_grad.py."""
+the tag from its copies (its private names: test_private_names.py). The layer's use of them is
+in test_gdn_tp_grad.py."""
 
 import importlib
 import importlib.metadata
@@ -21,14 +21,8 @@ from core.ssm.fsdp_tags import (
 )
 from core.ssm.tp_grad_reduction import TP_AVG_TAG
 
-from tests.ssm.private_name_checks import private_name_problem
-
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
-@pytest.mark.parametrize("private", fsdp_tags.PRIVATE_NAMES, ids=str)
-def test_torch_and_megatron_still_have_each_private_name_read_here(private):
-    problem = private_name_problem(private, fsdp_tags)
-    assert problem is None, problem
 
 
 def test_megatron_fsdp_still_drops_the_tp_tag():

@@ -1,12 +1,11 @@
 """core.ssm.module_hooks: a module's hooks run as a call of the module would run them (order,
 arguments, replaced inputs and outputs), its pre-hooks set aside and restored, the hook-presence
-tests; and every private torch name it reads still where the installed torch keeps it. The
-layer's use of them is in test_gdn_out_norm_hooks.py."""
+tests (its private names: test_private_names.py). The layer's use of them is in
+test_gdn_out_norm_hooks.py."""
 
 import pytest
 import torch
 
-from core.ssm import module_hooks
 from core.ssm.module_hooks import (
     has_backward_hooks,
     has_forward_hooks,
@@ -19,15 +18,8 @@ from core.ssm.module_hooks import (
     set_aside_forward_pre_hooks,
 )
 
-from tests.ssm.private_name_checks import private_name_problem
-
 nn_module = torch.nn.modules.module
 
-
-@pytest.mark.parametrize("private", module_hooks.PRIVATE_NAMES, ids=str)
-def test_torch_still_has_each_private_name_read_here(private):
-    problem = private_name_problem(private, module_hooks)
-    assert problem is None, problem
 
 
 def test_hooks_run_in_order_with_the_arguments():

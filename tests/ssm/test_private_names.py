@@ -1,11 +1,15 @@
-"""The check that tests/ssm applies to every private name a module of core.ssm declares: it finds
-the names where torch and megatron-core keep them (a module attribute, an instance attribute a
-class annotates or sets) and names the release and the relying module for one that moved."""
+"""Every private name a module of core.ssm declares in its ``PRIVATE_NAMES`` is still where the
+installed torch and megatron-core keep it; and the check finds such names (a module attribute,
+an instance attribute a class annotates or sets) and names the release and the relying module
+for one that moved."""
 
+import importlib
 import importlib.metadata
+import pkgutil
 
 import pytest
 
+import core.ssm
 from core.ssm import module_hooks
 from core.ssm.private_names import PrivateName
 
@@ -15,6 +19,30 @@ TORCH = f"torch {importlib.metadata.version('torch')}"
 MEGATRON = f"megatron-core {importlib.metadata.version('megatron-core')}"
 FSDP_BUFFER = ("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer."
                "ParamAndGradBuffer")
+
+
+def declared_private_names() -> list:
+    """(module, name) for every name each module of core.ssm lists in its PRIVATE_NAMES."""
+    modules = [importlib.import_module(f"core.ssm.{info.name}")
+               for info in pkgutil.iter_modules(core.ssm.__path__)]
+    return [(module, private) for module in modules
+            for private in getattr(module, "PRIVATE_NAMES", ())]
+
+
+DECLARED = declared_private_names()
+
+
+def test_the_plumbing_modules_declare_their_private_names():
+    declaring = {module.__name__ for module, _ in DECLARED}
+    assert {"core.ssm.module_hooks", "core.ssm.tp_grad_reduction",
+            "core.ssm.fsdp_tags"} <= declaring
+
+
+@pytest.mark.parametrize("module, private", DECLARED,
+                         ids=[f"{m.__name__.rpartition('.')[2]}:{p}" for m, p in DECLARED])
+def test_torch_and_megatron_still_have_each_declared_private_name(module, private):
+    problem = private_name_problem(private, module)
+    assert problem is None, problem
 
 
 @pytest.mark.parametrize("private", [

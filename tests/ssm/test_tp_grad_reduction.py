@@ -1,15 +1,13 @@
 """core.ssm.tp_grad_reduction: scale_grad is one autograd node that scales a gradient,
 parameters_read_as has a module read its parameters through such nodes (every way a norm reads
 them), megatron_tp_grad_reduction reads megatron's own reduction rule by a dry run of its TP step
-and refuses a finalize_model_grads it cannot read; and every private name it relies on is still
-where the installed torch and megatron-core keep it."""
+and refuses a finalize_model_grads it cannot read (its private names: test_private_names.py)."""
 
 import importlib
 
 import pytest
 import torch
 
-from core.ssm import tp_grad_reduction
 from core.ssm.tp_grad_reduction import (
     TP_AVG_TAG,
     megatron_tp_grad_reduction,
@@ -21,15 +19,8 @@ from core.testing.gdn import gdn_config
 from core.testing.gdn_tp import megatron_summing_out_norm_grad
 from core.transformer import RMSNorm
 
-from tests.ssm.private_name_checks import private_name_problem
-
 pytestmark = [pytest.mark.cpu_shims, pytest.mark.usefixtures("model_parallel_tp1")]
 
-
-@pytest.mark.parametrize("private", tp_grad_reduction.PRIVATE_NAMES, ids=str)
-def test_torch_and_megatron_still_have_each_private_name_read_here(private):
-    problem = private_name_problem(private, tp_grad_reduction)
-    assert problem is None, problem
 
 
 def test_scale_grad_is_identity_forward_and_scales_the_backward():

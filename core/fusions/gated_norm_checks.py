@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from core.fusions.gated_norm_launch import backward_launch, next_power_of_2
+from core.fusions.gated_norm_launch import backward_launch, keep_bounded, next_power_of_2
 from core.fusions.gated_norm_validation import (GATE_ACTIVATIONS, KERNEL_ARGS, ArgNames,
                                                 check_bool, check_dependent_launch,
                                                 check_gated_norm_tensors, check_launch_overrides,
@@ -49,10 +49,8 @@ def _keep(signature: Optional[tuple]) -> Optional[int]:
     """Keeps a signature whose rules just passed under a new number; a full memo starts over."""
     if signature is None:
         return None
-    if len(_checked_signatures) >= MAX_CHECKED_SIGNATURES:
-        _checked_signatures.clear()
-    number = _checked_signatures[signature] = next(_signature_numbers)
-    return number
+    return keep_bounded(_checked_signatures, signature, next(_signature_numbers),
+                        MAX_CHECKED_SIGNATURES)
 
 
 def check_gated_norm_inputs(x, gate, weight, eps, names: ArgNames = KERNEL_ARGS,

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from core.fusions.direct_launch import PreparedLaunch
 from core.fusions.gated_norm_kernels import ForwardArgs
-from core.fusions.gated_norm_launch import cdiv, forward_launch
+from core.fusions.gated_norm_launch import cdiv, forward_launch, keep_bounded
 from core.fusions.gated_norm_plans import dense_blocks, launch_forward
 from core.fusions.gated_norm_validation import (check_bool, check_head_dim, check_last_dim_stride,
                                                 check_operands, check_option,
@@ -121,10 +121,7 @@ def _prepare(key: tuple) -> tuple[int, PreparedLaunch]:
     launch = (cdiv(tokens * heads, bt),
               launch_forward.prepare((dtype, dtype, weight_dtype, dtype, None), args, cfg.warps,
                                      cfg.pdl))
-    if len(_launches) >= MAX_LAUNCHES:
-        _launches.clear()
-    _launches[key] = launch
-    return launch
+    return keep_bounded(_launches, key, launch, MAX_LAUNCHES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -157,6 +157,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def keep_bounded(table: dict, key, value, bound: int):
+    """``table[key] = value``, the table emptied first when it holds ``bound`` entries (the
+    host-side tables of checked signatures and of launches); returns ``value``."""
+    if len(table) >= bound:
+        table.clear()
+    table[key] = value
+    return value
+
+
 def _interpreter(dim: int) -> BackwardLaunch:
     block_d = next_power_of_2(dim)
     return BackwardLaunch(max(1, INTERPRETER_ELEMENTS_PER_BLOCK // block_d), 1, block_d,

@@ -21,7 +21,8 @@ from core.fusions.gated_norm_kernels import (INTERPRETER_LOOP_PROBLEM, BackwardA
                                              ForwardArgs, gated_norm_bwd, gated_norm_dw_sum,
                                              gated_norm_fwd)
 from core.fusions.gated_norm_launch import (BackwardLaunch, backward_launch, backward_programs,
-                                            cdiv, forward_launch, next_power_of_2)
+                                            cdiv, forward_launch, keep_bounded,
+                                            next_power_of_2)
 from core.fusions.gated_norm_validation import current_device
 
 # FP contraction (a * b + c as one FMA) on: Triton's default up to 3.9, and how the kernels are
@@ -195,9 +196,7 @@ def _keep(key: tuple, plan):
     """Keeps ``plan`` under ``key`` unless its checked number (``key[0]``) is None; a full table
     starts over. A key with no number is never kept, so never found either."""
     if key[0] is not None:
-        if len(_launch_plans) >= MAX_PLANS:
-            _launch_plans.clear()
-        _launch_plans[key] = plan
+        keep_bounded(_launch_plans, key, plan, MAX_PLANS)
     return plan
 
 

@@ -1,0 +1,356 @@
+"""The fused GDN pre-recurrence region: everything between in_proj and the gated delta rule.
+
+megatron-core's GatedDeltaNet.forward takes the in_proj output ``qkvzba`` (bshd, [B, S, W]) to
+the recurrence's inputs with a transpose, splits, FLA's ``causal_conv1d`` + SiLU (torch's
+``conv1d`` then the activation in ``deterministic_mode``), reshapes, FLA's q/k ``l2norm``, a head
+``repeat_interleave`` and ``_compute_g_and_beta``: about ten kernels each way, and a gradient
+assembled from pieces. Here: one forward kernel and two backward kernels
+(``pre_gated_delta_rule_kernels``, formulas there), the gradient of the whole in_proj output
+written into one buffer, every reduction in a fixed order (deterministic).
+
+    q, k, v, gate, g, beta = fused_pre_gated_delta_rule(
+        qkvzba, conv_weight, conv_bias, A_log, dt_bias,
+        num_key_heads=..., key_head_dim=..., num_value_heads=..., value_head_dim=...)
+
+``gate`` is the in_proj output's gate slice as a [B, S, Hv, Dv] view (no copy); its gradient
+lands in the same buffer as the rest. The rounding points are the unfused path's
+(``conv_rounding``; docs/numerics.md). Inputs are checked on every call, host metadata only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+from core.fusions.gated_norm_validation import (DEVICE_RULE, check_bool, check_option,
+                                                 check_positive_number, check_tensors)
+from core.fusions.gated_norm_kernels import INTERPRETED
+from core.fusions.pre_gated_delta_rule_kernels import (pre_gdr_bwd_conv, pre_gdr_bwd_heads,
+                                                       pre_gdr_fwd)
+
+ENTRY = "fused_pre_gated_delta_rule"
+# "once": FLA's causal_conv1d (conv + SiLU, one rounding); "twice": torch's conv1d, then the
+# activation (megatron's deterministic_mode path), a rounding after each.
+CONV_ROUNDINGS = ("once", "twice")
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 1024  # a head's tile lives in registers
+MAX_CONV_WIDTH = 16
+
+
+class RegionShape(NamedTuple):
+    """Local sizes of the region: key / value heads and head dims, the conv width."""
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_width: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def features(self) -> int:  # q, k, v, gate, beta, alpha
+        return self.conv_channels + self.value_heads * self.value_dim + 2 * self.value_heads
+
+    @property
+    def gate_slice(self) -> slice:
+        start = self.conv_channels
+        return slice(start, start + self.value_heads * self.value_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input rules (host metadata only: nothing is read from the device)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_count(name: str, value) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{ENTRY}: {name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{ENTRY}: {name} must be >= 1, got {value}")
+    return value
+
+
+def check_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *,
+                               num_key_heads, key_head_dim, num_value_heads, value_head_dim,
+                               cu_seqlens=None, use_qk_l2norm=True, conv_rounding="once",
+                               eps=1e-6) -> RegionShape:
+    """The rules of :func:`fused_pre_gated_delta_rule`'s arguments (TypeError for a type,
+    ValueError for a value), before any launch. Returns the region's sizes."""
+    hk, dk = _check_count("num_key_heads", num_key_heads), _check_count("key_head_dim",
+                                                                         key_head_dim)
+    hv, dv = _check_count("num_value_heads", num_value_heads), _check_count("value_head_dim",
+                                                                             value_head_dim)
+    check_bool(ENTRY, "use_qk_l2norm", use_qk_l2norm)
+    check_option(ENTRY, "conv_rounding", conv_rounding, CONV_ROUNDINGS)
+    check_positive_number(ENTRY, "eps", eps)
+    if hv % hk:
+        raise ValueError(f"{ENTRY}: num_value_heads ({hv}) must be a multiple of num_key_heads "
+                         f"({hk}): value head j reads key head j // (num_value_heads // "
+                         "num_key_heads)")
+    for name, dim in (("key_head_dim", dk), ("value_head_dim", dv)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{ENTRY}: {name} must be <= {MAX_HEAD_DIM}, got {dim}")
+    named = [("qkvzba", qkvzba), ("conv_weight", conv_weight), ("A_log", A_log),
+             ("dt_bias", dt_bias)]
+    if conv_bias is not None:
+        named.append(("conv_bias", conv_bias))
+    check_tensors(ENTRY, named)
+    if qkvzba.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"{ENTRY}: qkvzba dtype must be bf16, fp16 or fp32, got {qkvzba.dtype}")
+    for name, t in named[1:]:
+        if t.dtype not in ACTIVATION_DTYPES:
+            raise TypeError(f"{ENTRY}: {name} dtype must be bf16, fp16 or fp32, got {t.dtype}")
+    for name, t in named:
+        if not torch.compiler.is_compiling() and t.is_neg():
+            raise ValueError(f"{ENTRY}: {name} is a negative view; pass {name}.resolve_neg()")
+    device = qkvzba.device
+    kernel_device = "cpu" if INTERPRETED else "cuda"
+    if device.type != kernel_device:
+        raise ValueError(f"{ENTRY}: qkvzba must be a {kernel_device.upper()} tensor "
+                         f"{DEVICE_RULE}, got device {device}")
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(f"{ENTRY}: {name} must be on qkvzba's device {device}, got "
+                             f"{t.device}")
+    if qkvzba.dim() != 3:
+        raise ValueError(f"{ENTRY}: qkvzba must have rank 3 [batch, sequence, features], got "
+                         f"shape {tuple(qkvzba.shape)}")
+    if qkvzba.shape[2] > 1 and qkvzba.stride(2) != 1:
+        raise ValueError(f"{ENTRY}: qkvzba's last dim must have stride 1 (in_proj's output and "
+                         f"its bshd transpose have it), got strides {qkvzba.stride()}")
+    width = conv_weight.shape[-1] if conv_weight.dim() in (2, 3) else 0
+    shape = RegionShape(hk, hv, dk, dv, width)
+    channels = shape.conv_channels
+    if qkvzba.shape[2] != shape.features:
+        raise ValueError(
+            f"{ENTRY}: qkvzba's last dim must be 2 * num_key_heads * key_head_dim + 2 * "
+            f"num_value_heads * value_head_dim + 2 * num_value_heads = {shape.features} (q, k, "
+            f"v, gate, beta, alpha), got {qkvzba.shape[2]}")
+    if conv_weight.shape not in ((channels, width), (channels, 1, width)) or width < 1:
+        raise ValueError(f"{ENTRY}: conv_weight must have shape [{channels}, width] or "
+                         f"[{channels}, 1, width] (one filter per q/k/v channel), got "
+                         f"{tuple(conv_weight.shape)}")
+    if width > MAX_CONV_WIDTH:
+        raise ValueError(f"{ENTRY}: the conv width must be <= {MAX_CONV_WIDTH}, got {width}")
+    if conv_bias is not None and conv_bias.shape != (channels,):
+        raise ValueError(f"{ENTRY}: conv_bias must have shape [{channels}], got "
+                         f"{tuple(conv_bias.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (hv,):
+            raise ValueError(f"{ENTRY}: {name} must have shape [{hv}] (one per value head), "
+                             f"got {tuple(t.shape)}")
+    for name, t in named[2:]:
+        if t.numel() > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{ENTRY}: {name} must be contiguous, got strides {t.stride()}")
+    if cu_seqlens is not None:
+        check_tensors(ENTRY, (("cu_seqlens", cu_seqlens),))
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"{ENTRY}: cu_seqlens must be a 1-D int32 or int64 tensor, got "
+                             f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != device or cu_seqlens.numel() < 2:
+            raise ValueError(f"{ENTRY}: cu_seqlens must be on qkvzba's device with at least 2 "
+                             f"entries, got {cu_seqlens.numel()} on {cu_seqlens.device}")
+        if qkvzba.shape[0] != 1:
+            raise ValueError(f"{ENTRY}: packed sequences (cu_seqlens) require batch 1, got "
+                             f"{qkvzba.shape[0]}")
+    return shape
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch choices
+# ----------------------------------------------------------------------------------------------
+
+
+class Launch(NamedTuple):
+    forward_tokens: int  # tokens per program, forward and the backward's head kernel
+    conv_tokens: int  # tokens per program of the conv backward
+    conv_channels: int  # channels per program of the conv backward (divides both sections)
+    warps: int
+
+
+def launch_for(shape: RegionShape) -> Launch:
+    section = math.gcd(2 * shape.key_heads * shape.key_dim, shape.value_heads * shape.value_dim)
+    channels = min(section & -section, 64)  # largest power of two dividing both sections
+    return Launch(forward_tokens=32, conv_tokens=32, conv_channels=channels, warps=4)
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def sequence_starts(cu_seqlens: Optional[torch.Tensor], tokens: int,
+                    device) -> Optional[torch.Tensor]:
+    """For each packed token, the index of its sequence's first token (int32; no host sync)."""
+    if cu_seqlens is None:
+        return None
+    positions = torch.arange(tokens, device=device, dtype=cu_seqlens.dtype)
+    index = torch.searchsorted(cu_seqlens, positions, right=True) - 1
+    return cu_seqlens[index.clamp_(min=0)].to(torch.int32)
+
+
+def _flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps):
+    return dict(EPS=eps, USE_QK_L2NORM=use_qk_l2norm, CONV_ROUNDING=conv_rounding,
+                HAS_BIAS=conv_bias is not None, VARLEN=seq_start is not None)
+
+
+def _dims(shape: RegionShape) -> dict:
+    return dict(HK=shape.key_heads, HV=shape.value_heads, DK=shape.key_dim,
+                DV=shape.value_dim, K=shape.conv_width)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionShape,
+                 seq_start=None, use_qk_l2norm=True, conv_rounding="once", eps=1e-6):
+    """q, k ([B, S, Hv, Dk]), v ([B, S, Hv, Dv]), g (fp32) and beta ([B, S, Hv]); no checks."""
+    batch, seq, _ = qkvzba.shape
+    hv, dk, dv = shape.value_heads, shape.key_dim, shape.value_dim
+    dtype, device = qkvzba.dtype, qkvzba.device
+    q = torch.empty(batch, seq, hv, dk, dtype=dtype, device=device)
+    k = torch.empty_like(q)
+    v = torch.empty(batch, seq, hv, dv, dtype=dtype, device=device)
+    g = torch.empty(batch, seq, hv, dtype=torch.float32, device=device)
+    beta = torch.empty(batch, seq, hv, dtype=dtype, device=device)
+    if q.numel() == 0 and v.numel() == 0:
+        return q, k, v, g, beta
+    launch = launch_for(shape)
+    weight = conv_weight.view(conv_weight.shape[0], -1)
+    grid = (2 * shape.key_heads + hv + 1, triton.cdiv(seq, launch.forward_tokens), batch)
+    pre_gdr_fwd[grid](
+        x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias, seq_start=seq_start,
+        q=q, k=k, v=v, g=g, beta=beta,
+        S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1),
+        w_stride_c=weight.stride(0), w_stride_k=weight.stride(1), **_dims(shape),
+        BT=launch.forward_tokens, BDK=_block(dk), BDV=_block(dv), BH=_block(hv),
+        **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
+        num_warps=launch.warps,
+    )
+    return q, k, v, g, beta
+
+
+def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionShape,
+                  dq, dk, dv, dg, dbeta, seq_start=None, use_qk_l2norm=True,
+                  conv_rounding="once", eps=1e-6, dqkvzba=None):
+    """The gradients of qkvzba (its gate slice left unwritten, for the caller), the conv weight
+    (in its shape), the conv bias (None without one), A_log and dt_bias. ``dqkvzba``: the buffer
+    to write (qkvzba's shape), e.g. one whose gate slice already holds the gate's gradient."""
+    batch, seq, _ = qkvzba.shape
+    hk, hv = shape.key_heads, shape.value_heads
+    dtype, device = qkvzba.dtype, qkvzba.device
+    if dqkvzba is None:
+        dqkvzba = torch.empty_like(qkvzba)
+    launch = launch_for(shape)
+    heads_blocks = triton.cdiv(seq, launch.forward_tokens)
+    conv_blocks = triton.cdiv(seq, launch.conv_tokens)
+    channels = shape.conv_channels
+    f32 = dict(dtype=torch.float32, device=device)
+    da_partial = torch.zeros(batch * heads_blocks, hv, **f32)
+    ddt_partial = torch.zeros(batch * heads_blocks, hv, **f32)
+    dw_partial = torch.zeros(batch * conv_blocks, channels, shape.conv_width, **f32)
+    db_partial = torch.zeros(batch * conv_blocks, channels, **f32)
+    if seq and batch:
+        weight = conv_weight.view(channels, -1)
+        dact = torch.empty(batch, seq, 2 * hk * shape.key_dim, dtype=dtype, device=device)
+        common = dict(S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1),
+                      w_stride_c=weight.stride(0), w_stride_k=weight.stride(1),
+                      dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1), **_dims(shape))
+        flags = _flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps)
+        pre_gdr_bwd_heads[(2 * hk + 1, heads_blocks, batch)](
+            x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias,
+            seq_start=seq_start, dq=dq, dk=dk, dg=dg, dbeta=dbeta, dact=dact, dx=dqkvzba,
+            da_partial=da_partial, ddt_partial=ddt_partial, blocks=heads_blocks, **common,
+            BT=launch.forward_tokens, BDK=_block(shape.key_dim), BH=_block(hv), **flags,
+            num_warps=launch.warps,
+        )
+        del flags["EPS"], flags["USE_QK_L2NORM"]
+        pre_gdr_bwd_conv[(triton.cdiv(channels, launch.conv_channels), conv_blocks, batch)](
+            x=qkvzba, w=weight, bias=conv_bias, seq_start=seq_start, dact=dact, dv=dv,
+            dx=dqkvzba, dw_partial=dw_partial, db_partial=db_partial, blocks=conv_blocks,
+            **common, BT=launch.conv_tokens, BC=launch.conv_channels, **flags,
+            num_warps=launch.warps,
+        )
+    # fixed-order fp32 sums of the partials, one rounding each
+    dweight = dw_partial.sum(0).view(conv_weight.shape).to(conv_weight.dtype)
+    dbias = None if conv_bias is None else db_partial.sum(0).to(conv_bias.dtype)
+    a = A_log.float().exp()
+    da_log = (-(da_partial.sum(0)) * a).to(A_log.dtype)
+    ddt_bias = ddt_partial.sum(0).to(dt_bias.dtype)
+    return dqkvzba, dweight, dbias, da_log, ddt_bias
+
+
+def _contiguous_grad(grad, shape, dtype, device):
+    """An output's gradient as the kernels read it (contiguous); zeros for an unused output."""
+    if grad is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return grad if grad.is_contiguous() else grad.contiguous()
+
+
+class _FusedPreGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape, seq_start,
+                use_qk_l2norm, conv_rounding, eps):
+        q, k, v, g, beta = forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
+                                        seq_start, use_qk_l2norm, conv_rounding, eps)
+        batch, seq, _ = qkvzba.shape
+        gate = qkvzba[..., shape.gate_slice].view(batch, seq, shape.value_heads,
+                                                   shape.value_dim)
+        ctx.save_for_backward(qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start)
+        ctx.options = (shape, use_qk_l2norm, conv_rounding, eps)
+        return q, k, v, gate, g, beta
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dgate, dg, dbeta):
+        qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start = ctx.saved_tensors
+        shape, use_qk_l2norm, conv_rounding, eps = ctx.options
+        batch, seq, _ = qkvzba.shape
+        dqkvzba = torch.empty_like(qkvzba)
+        gate_grad = dqkvzba[..., shape.gate_slice]
+        if dgate is None:
+            gate_grad.zero_()
+        else:
+            gate_grad.copy_(dgate.reshape(batch, seq, -1))
+        dtype, device, hv = qkvzba.dtype, qkvzba.device, shape.value_heads
+        qk_shape = (batch, seq, hv, shape.key_dim)
+        dqkvzba, dweight, dbias, da_log, ddt_bias = backward_impl(
+            qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
+            _contiguous_grad(dq, qk_shape, dtype, device),
+            _contiguous_grad(dk, qk_shape, dtype, device),
+            _contiguous_grad(dv, (batch, seq, hv, shape.value_dim), dtype, device),
+            _contiguous_grad(dg, (batch, seq, hv), torch.float32, device),
+            _contiguous_grad(dbeta, (batch, seq, hv), dtype, device),
+            seq_start, use_qk_l2norm, conv_rounding, eps, dqkvzba=dqkvzba)
+        return dqkvzba, dweight, dbias, da_log, ddt_bias, None, None, None, None, None
+
+
+def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *,
+                               num_key_heads: int, key_head_dim: int, num_value_heads: int,
+                               value_head_dim: int, cu_seqlens=None, use_qk_l2norm: bool = True,
+                               conv_rounding: str = "once", eps: float = 1e-6):
+    """The region from the in_proj output to the recurrence's inputs, forward and backward.
+
+    ``qkvzba``: [B, S, W] (bshd; any batch / sequence strides, unit last stride), W = q, k
+    (num_key_heads x key_head_dim each), v, gate (num_value_heads x value_head_dim each), beta,
+    alpha (num_value_heads each). ``conv_weight``: [C, K] or [C, 1, K] (C = the q, k, v
+    channels), ``conv_bias``: [C] or None; ``A_log``, ``dt_bias``: [num_value_heads].
+    ``cu_seqlens``: packed sequences (B = 1): the convolution never reads across a boundary.
+    ``conv_rounding``: "once" (FLA's causal_conv1d) or "twice" (torch's conv1d then SiLU).
+
+    Returns q, k ([B, S, num_value_heads, key_head_dim], contiguous; value head j reads key
+    head j // (num_value_heads // num_key_heads)), v ([B, S, Hv, Dv], contiguous), gate (a
+    [B, S, Hv, Dv] view of qkvzba), g (fp32) and beta ([B, S, Hv])."""
+    shape = check_pre_gated_delta_rule(
+        qkvzba, conv_weight, conv_bias, A_log, dt_bias, num_key_heads=num_key_heads,
+        key_head_dim=key_head_dim, num_value_heads=num_value_heads,
+        value_head_dim=value_head_dim, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+        conv_rounding=conv_rounding, eps=eps)
+    seq_start = sequence_starts(cu_seqlens, qkvzba.shape[1], qkvzba.device)
+    return _FusedPreGatedDeltaRule.apply(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
+                                         seq_start, use_qk_l2norm, conv_rounding, float(eps))

@@ -1,0 +1,329 @@
+"""Triton kernels of the fused GDN pre-recurrence region (``fused_pre_gated_delta_rule``).
+
+The input ``x`` is the in_proj output in bshd, [B, S, W] with unit last stride, its W features
+``[q | k | v | gate | beta_in | alpha]`` (q, k: Hk heads of Dk; v, gate: Hv heads of Dv; beta_in,
+alpha: Hv each). Channel c < C = 2 Hk Dk + Hv Dv of the causal depthwise convolution (width K,
+weight w[c, j], optional bias b[c]) reads token s of x and the K - 1 before it within its
+sequence (``seq_start[s]``: the first token of s's packed sequence; 0 without packing):
+
+  pre[s, c] = sum_j w[c, j] x[s - K + 1 + j, c] + b[c]        (j = 0 .. K-1, fp32, in this order)
+  act       = round(silu(pre))                    CONV_ROUNDING "once"  (FLA's causal_conv1d)
+            = round(silu(round(pre)))             CONV_ROUNDING "twice" (torch conv1d, then silu)
+  q/k head: y = round(act * rstd), rstd = 1 / sqrt(sum over the head of act^2 + eps)
+            (FLA's l2norm; y = act without USE_QK_L2NORM), stored for value heads h r .. h r + r - 1
+  v head:   v = act
+  g    = -round_P(exp(A_log)) * softplus(alpha + dt_bias)    (fp32; P: the parameters' dtype)
+  beta = round(sigmoid(beta_in))
+
+Backward (fp32 inside; ``round`` where the unfused autograd graph rounds):
+  dy_k  = round(sum_{i<r} dq[h r + i])            (the head repeat's gradient, autograd's sum)
+  dact  = round(dy rstd - (dy . y) y rstd)        (q/k: the l2norm backward; v: dact = dv)
+  dpre  = dact silu'(pre)
+  dx[s] = round(sum_j w[c, K-1-j] dpre[s + j])    over the same sequence
+  dw_partial[p, c, j] = sum over the block's tokens s of dpre[s] x[s - K + 1 + j]
+  dalpha = round(dg (-A) sigmoid(alpha + dt_bias)),  dbeta_in = round(dbeta beta (1 - beta))
+  dA_partial[p, h] = sum dg (-A) softplus(..),  ddt_partial[p, h] = sum dg (-A) sigmoid(..)
+The partials are summed in a fixed order on the host side (deterministic).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from core.fusions.gated_norm_kernels import INTERPRETED, _exp_neg, _round_to, _sigmoid
+
+# torch's expf / log1pf / IEEE division for g and beta (a few values per token, where bitwise
+# agreement with the unfused path is cheap); the interpreter has no libdevice log1p.
+_LIBDEVICE = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def _exact_exp(v):
+    if _LIBDEVICE:
+        e = libdevice.exp(v)
+    else:
+        e = tl.exp(v)
+    return e
+
+
+@triton.jit
+def _exact_sigmoid(v):
+    if _LIBDEVICE:
+        s = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-v))
+    else:
+        s = 1.0 / (1.0 + tl.exp(-v))
+    return s
+
+
+@triton.jit
+def _softplus(v):
+    """torch's softplus (beta 1, threshold 20): v above 20, else log1p(exp(v))."""
+    e = _exact_exp(v)
+    if _LIBDEVICE:
+        lp = libdevice.log1p(e)
+    else:  # log1p(e) from log: exact where 1 + e rounds to 1, else corrected for that rounding
+        u = 1.0 + e
+        lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.where(v > 20.0, v, lp)
+
+
+@triton.jit
+def _silu_once(pre):
+    # FLA's causal_conv1d: pre * sigmoid(pre) with Triton's exp
+    return pre * _sigmoid(pre)
+
+
+@triton.jit
+def _conv_act(pre, DTYPE: tl.constexpr, CONV_ROUNDING: tl.constexpr):
+    """act of the module docstring, rounded to DTYPE, kept in fp32."""
+    if CONV_ROUNDING == "twice":
+        p = _round_to(pre, DTYPE)
+        act = p / (1.0 + _exp_neg(p))  # torch's silu formula
+    else:
+        act = _silu_once(pre)
+    return _round_to(act, DTYPE)
+
+
+@triton.jit
+def _token_rows(block, S, BT: tl.constexpr):
+    t = block * BT + tl.arange(0, BT)
+    return t, t < S
+
+
+@triton.jit
+def _conv_pre(x_b, rows, start, chans, chan_mask, w, w_stride_c, w_stride_k, bias, ss,
+              K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """pre[rows, chans] (fp32): the causal convolution over the K tokens up to each row, tokens
+    before ``start`` (the row's sequence start) read as 0."""
+    pre = tl.zeros((rows.shape[0], chans.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = rows - (K - 1) + j
+        m = (src >= start)[:, None] & chan_mask[None, :]
+        xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=m, other=0.0)
+        wj = tl.load(w + chans * w_stride_c + j * w_stride_k, mask=chan_mask, other=0.0)
+        pre += xv.to(tl.float32) * wj.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        pre += tl.load(bias + chans, mask=chan_mask, other=0.0).to(tl.float32)[None, :]
+    return pre
+
+
+@triton.jit
+def _sequence_start(seq_start, rows, row_mask, VARLEN: tl.constexpr):
+    if VARLEN:
+        start = tl.load(seq_start + rows, mask=row_mask, other=0)
+    else:
+        start = tl.zeros_like(rows)
+    return start
+
+
+@triton.jit
+def pre_gdr_fwd(
+    x, w, bias, a_log, dt_bias, seq_start, q, k, v, g, beta,
+    S, sb, ss, w_stride_c, w_stride_k,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr,
+    EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (head, token block, batch): head < 2 HK a q/k head, < 2 HK + HV a v head, the
+    last g and beta of every value head."""
+    head = tl.program_id(0)
+    t, t_mask = _token_rows(tl.program_id(1), S, BT)
+    b = tl.program_id(2).to(tl.int64)
+    x_b = x + b * sb
+    DTYPE: tl.constexpr = q.dtype.element_ty
+    R: tl.constexpr = HV // HK
+    start = _sequence_start(seq_start, t, t_mask, VARLEN)
+    tok = (b * S + t.to(tl.int64))[:, None]  # the outputs' token index
+    if head < 2 * HK:
+        d = tl.arange(0, BDK)
+        d_mask = d < DK
+        chans = head * DK + d
+        pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss, K,
+                        HAS_BIAS)
+        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+        if USE_QK_L2NORM:
+            rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)  # FLA's l2norm
+            y = _round_to(y * rstd[:, None], DTYPE)
+        m = t_mask[:, None] & d_mask[None, :]
+        if head < HK:
+            out = q
+            kh = head
+        else:
+            out = k
+            kh = head - HK
+        for i in tl.static_range(R):
+            tl.store(out + (tok * HV + kh * R + i) * DK + d[None, :], y.to(DTYPE), mask=m)
+    elif head < 2 * HK + HV:
+        vh = head - 2 * HK
+        d = tl.arange(0, BDV)
+        d_mask = d < DV
+        chans = 2 * HK * DK + vh * DV + d
+        pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss, K,
+                        HAS_BIAS)
+        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+        m = t_mask[:, None] & d_mask[None, :]
+        tl.store(v + (tok * HV + vh) * DV + d[None, :], y.to(DTYPE), mask=m)
+    else:
+        h = tl.arange(0, BH)
+        h_mask = h < HV
+        m = t_mask[:, None] & h_mask[None, :]
+        rows = x_b + t.to(tl.int64)[:, None] * ss
+        base = 2 * HK * DK + 2 * HV * DV
+        beta_in = tl.load(rows + base + h[None, :], mask=m, other=0.0).to(tl.float32)
+        alpha = tl.load(rows + base + HV + h[None, :], mask=m, other=0.0).to(tl.float32)
+        P_DTYPE: tl.constexpr = a_log.dtype.element_ty
+        a = _round_to(_exact_exp(tl.load(a_log + h, mask=h_mask, other=0.0).to(tl.float32)),
+                      P_DTYPE)
+        dtb = tl.load(dt_bias + h, mask=h_mask, other=0.0).to(tl.float32)
+        g_val = -a[None, :] * _softplus(alpha + dtb[None, :])
+        out_off = tok * HV + h[None, :]
+        tl.store(g + out_off, g_val, mask=m)
+        tl.store(beta + out_off, _round_to(_exact_sigmoid(beta_in), DTYPE).to(DTYPE), mask=m)
+
+
+@triton.jit
+def pre_gdr_bwd_heads(
+    x, w, bias, a_log, dt_bias, seq_start, dq, dk, dg, dbeta, dact, dx, da_partial, ddt_partial,
+    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BDK: tl.constexpr, BH: tl.constexpr,
+    EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (head, token block, batch): head < 2 HK writes dact of a q/k head ([B, S,
+    2 HK DK]); the last writes dbeta_in and dalpha into dx and the block's dA / ddt_bias
+    partials (row ``batch * blocks + block``)."""
+    head = tl.program_id(0)
+    block = tl.program_id(1)
+    t, t_mask = _token_rows(block, S, BT)
+    b = tl.program_id(2).to(tl.int64)
+    x_b = x + b * sb
+    DTYPE: tl.constexpr = dact.dtype.element_ty
+    R: tl.constexpr = HV // HK
+    tok = (b * S + t.to(tl.int64))[:, None]
+    if head < 2 * HK:
+        start = _sequence_start(seq_start, t, t_mask, VARLEN)
+        d = tl.arange(0, BDK)
+        d_mask = d < DK
+        m = t_mask[:, None] & d_mask[None, :]
+        if head < HK:
+            grad = dq
+            kh = head
+        else:
+            grad = dk
+            kh = head - HK
+        dy = tl.zeros((BT, BDK), dtype=tl.float32)
+        for i in tl.static_range(R):
+            dy += tl.load(grad + (tok * HV + kh * R + i) * DK + d[None, :], mask=m,
+                          other=0.0).to(tl.float32)
+        if R > 1:
+            dy = _round_to(dy, DTYPE)
+        if USE_QK_L2NORM:
+            chans = head * DK + d
+            pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
+                            K, HAS_BIAS)
+            y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+            rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
+            y = y * rstd[:, None]
+            dy = dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None]
+        tl.store(dact + tok * (2 * HK * DK) + head * DK + d[None, :],
+                 _round_to(dy, DTYPE).to(DTYPE), mask=m)
+    else:
+        h = tl.arange(0, BH)
+        h_mask = h < HV
+        m = t_mask[:, None] & h_mask[None, :]
+        rows = x_b + t.to(tl.int64)[:, None] * ss
+        base = 2 * HK * DK + 2 * HV * DV
+        beta_in = tl.load(rows + base + h[None, :], mask=m, other=0.0).to(tl.float32)
+        alpha = tl.load(rows + base + HV + h[None, :], mask=m, other=0.0).to(tl.float32)
+        P_DTYPE: tl.constexpr = a_log.dtype.element_ty
+        a = _round_to(_exact_exp(tl.load(a_log + h, mask=h_mask, other=0.0).to(tl.float32)),
+                      P_DTYPE)
+        z = alpha + tl.load(dt_bias + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        grad_off = tok * HV + h[None, :]
+        dg_v = tl.load(dg + grad_off, mask=m, other=0.0).to(tl.float32)
+        dsp = dg_v * -a[None, :]  # d g / d softplus
+        dz = dsp * _exact_sigmoid(z)
+        sb_ = _exact_sigmoid(beta_in)
+        dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
+        dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss + base
+        tl.store(dx_rows + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
+                 mask=m)
+        tl.store(dx_rows + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
+        part = (b * blocks + block) * HV + h
+        # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
+        tl.store(da_partial + part, tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0),
+                 mask=h_mask)
+        tl.store(ddt_partial + part, tl.sum(tl.where(m, dz, 0.0), 0), mask=h_mask)
+
+
+@triton.jit
+def pre_gdr_bwd_conv(
+    x, w, bias, seq_start, dact, dv, dx, dw_partial, db_partial,
+    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr,
+    CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (channel block, token block, batch) of the convolution's backward: dx of the
+    block's q/k/v channels (from dact, or from dv for v channels), and the block's dw / db
+    partials (row ``batch * blocks + block``). BC divides HK DK and HV DV, so a channel block
+    lies in one of dact and dv."""
+    cblock = tl.program_id(0)
+    block = tl.program_id(1)
+    t, t_mask = _token_rows(block, S, BT)
+    b = tl.program_id(2).to(tl.int64)
+    x_b = x + b * sb
+    DTYPE: tl.constexpr = dx.dtype.element_ty
+    QK: tl.constexpr = 2 * HK * DK
+    C: tl.constexpr = QK + HV * DV
+    chans = cblock * BC + tl.arange(0, BC)
+    c_mask = chans < C
+    start = _sequence_start(seq_start, t, t_mask, VARLEN)
+    if cblock * BC < QK:
+        grad = dact + b * S * QK
+        g_stride = QK
+        g_chans = chans
+    else:
+        grad = dv + b * S * (HV * DV)
+        g_stride = HV * DV
+        g_chans = chans - QK
+    dxs = tl.zeros((BT, BC), dtype=tl.float32)
+    for i in tl.static_range(K):
+        # dpre at tokens t + i, which reach dx[t] through w[:, K - 1 - i]
+        s = t + i
+        s_ok = (s < S) & t_mask
+        if VARLEN:
+            s_start = tl.load(seq_start + s, mask=s_ok, other=0)
+            s_ok = s_ok & (s_start <= t)
+        else:
+            s_start = tl.zeros_like(s)
+        m = s_ok[:, None] & c_mask[None, :]
+        pre = _conv_pre(x_b, s, s_start, chans, c_mask, w, w_stride_c, w_stride_k, bias, ss, K,
+                        HAS_BIAS)
+        da = tl.load(grad + s.to(tl.int64)[:, None] * g_stride + g_chans[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        if CONV_ROUNDING == "twice":
+            p = _round_to(pre, DTYPE)
+        else:
+            p = pre
+        sig = _sigmoid(p)
+        dpre = tl.where(m, da * sig * (1.0 + p * (1.0 - sig)), 0.0)
+        wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=c_mask, other=0.0)
+        dxs += dpre * wi.to(tl.float32)[None, :]
+        if i == 0:
+            part = (b * blocks + block) * C + chans
+            for j in tl.static_range(K):
+                src = t - (K - 1) + j
+                xm = ((src >= start) & t_mask)[:, None] & c_mask[None, :]
+                xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=xm,
+                             other=0.0).to(tl.float32)
+                tl.store(dw_partial + part * K + j, tl.sum(dpre * xv, 0), mask=c_mask)
+            if HAS_BIAS:
+                tl.store(db_partial + part, tl.sum(dpre, 0), mask=c_mask)
+    m = t_mask[:, None] & c_mask[None, :]
+    dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss
+    tl.store(dx_rows + chans[None, :], _round_to(dxs, DTYPE).to(DTYPE), mask=m)

@@ -2,6 +2,10 @@
 """Pretrain a small Qwen3-Next-style hybrid GPT (Gated DeltaNet + attention) with megatron-core,
 with the fused GDN output gated norm switched on or off.
 
+``--gdn-pre-gated-delta-rule-fusion`` also turns on the fusion before the gated delta rule
+(``TransformerConfig.gdn_pre_gated_delta_rule_fusion``; off by default) in every run, --compare's
+included: the runs then differ in the output norm only.
+
     bash tools/setup_venv.sh && .venv/bin/python examples/pretrain_gdn.py --compare
 
 Megatron pieces, as a Megatron user wires them: ``GPTModel`` with the hybrid block spec of
@@ -90,9 +94,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
-    g = p.add_argument_group("the fusion")
+    g = p.add_argument_group("the fusions")
     g.add_argument("--fused-gated-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="TransformerConfig.fused_gated_norm: the fused GDN output gated norm")
+    g.add_argument("--gdn-pre-gated-delta-rule-fusion", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="TransformerConfig.gdn_pre_gated_delta_rule_fusion: the fusion before "
+                        "the gated delta rule (conv1d + SiLU, q/k L2 norm, g and beta), in "
+                        "every run (--compare's too)"),
     g.add_argument("--compare", action="store_true",
                    help="train with the flag off, then on (then the noise-floor run), same data "
                         "and seed; summary table + PNG")
@@ -228,7 +237,8 @@ def setup_line(args: argparse.Namespace, world_size: int) -> str:
             f"{args.linear_key_head_dim}/{args.linear_value_head_dim}; seq {args.seq_length}, "
             f"micro-batch {args.micro_batch_size} x {args.num_micro_batches}, "
             f"TP {args.tp}{' +SP' if args.sequence_parallel else ''}, DP {world_size // args.tp}; "
-            f"{'bf16' if args.bf16 else 'fp32'}; recompute-norm "
+            f"{'bf16' if args.bf16 else 'fp32'}; fusion before the gated delta rule "
+            f"{'on' if args.gdn_pre_gated_delta_rule_fusion else 'off'}; recompute-norm "
             f"{'on' if args.recompute_norm else 'off'}; deterministic_mode "
             f"{'on' if args.deterministic else 'off'}; megatron jit_fuser "
             f"{'torch.compile' if args.jit_fuser else 'off'}; seed {args.seed}; "
@@ -276,8 +286,9 @@ def build_config(args: argparse.Namespace, fused: bool):
         linear_value_head_dim=args.linear_value_head_dim,
         linear_num_key_heads=args.linear_num_key_heads,
         linear_num_value_heads=args.linear_num_value_heads,
-        # the flag, and selective recompute of the GDN output norm
+        # the flags, and selective recompute of the GDN output norm
         fused_gated_norm=fused,
+        gdn_pre_gated_delta_rule_fusion=args.gdn_pre_gated_delta_rule_fusion,
         recompute_granularity="selective" if args.recompute_norm else None,
         recompute_modules=["gdn_norm_out"] if args.recompute_norm else None,
         # parallelism, precision
@@ -584,6 +595,7 @@ def train_one(args: argparse.Namespace, fused: bool, label: str, world_size: int
     result = {
         "label": label,
         "fused_gated_norm": fused,
+        "gdn_pre_gated_delta_rule_fusion": args.gdn_pre_gated_delta_rule_fusion,
         "gdn_layers": len(gdn_modules(model)),
         "fused_norm_calls": fused_norm_calls,
         "out_norm_nudged": nudge,

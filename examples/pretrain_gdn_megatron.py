@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Pretrain a small Gated DeltaNet hybrid GPT with megatron's own training loop
 (``megatron.training.pretrain``), the fused GDN output norm switched by ``--fused-gated-norm``
-(or megatron main's name of it, ``--gdn-gated-output-norm-fusion``).
+(or megatron main's name of it, ``--gdn-gated-output-norm-fusion``) and the fusion before the
+gated delta rule by ``--gdn-pre-gated-delta-rule-fusion`` (megatron main's flag; independent of
+the output norm, off unless given).
 
     python examples/data/build_indexed.py --output-prefix runs/data/stdlib_docstrings
     torchrun --nproc-per-node 2 examples/pretrain_gdn_megatron.py \\
@@ -21,7 +23,8 @@ passes that spec through ``core.models.use_fused_gdn`` with the flag's setting i
 ``--hybrid-layer-pattern`` (its 'G' layers are the GDN; multi-token prediction after '/'),
 a ``HybridModelConfig`` (``hybrid_config_from_args``) with megatron's hybrid stack spec through
 ``use_fused_gdn`` (:func:`gdn_hybrid_stack_spec`); a post-wrap hook runs ``assert_fused_gdn`` on
-the built model (every GDN layer fused with the flag, every one ours without it);
+the built model (every GDN layer running the fusions whose flags are given, every one ours
+without them);
 :func:`forward_step` (megatron's TP broadcast of the batch to the first and last pipeline
 stage and to a stage with MTP layers, its split over context-parallel ranks, masked token
 loss) and
@@ -33,8 +36,8 @@ schedule, optimizer, DDP, checkpoint save (``--save``) and resume (``--load``) a
 pretrain_hybrid.py do: megatron's TransformerConfig (which has no fusion field) and the
 ``--spec`` as given, so that the spec switches the fusion
 (``--spec core.models.fused_gdn_specs gpt_block_spec``, or ``hybrid_stack_spec`` with
-``--hybrid-layer-pattern``); it refuses ``--fused-gated-norm`` and
-``--gdn-gated-output-norm-fusion``, and the model must run the fusion.
+``--hybrid-layer-pattern``; their ``*_both_fusions`` variants for the fusion before the gated
+delta rule too); it refuses the fusion flags, and the model must run the fused output norm.
 
 ``--gdn-metrics-out FILE`` also writes, from the last rank, one JSON record per training
 iteration: the exact loss of the iteration's whole batch (the sum of masked token losses over
@@ -60,6 +63,7 @@ import os
 import sys
 import time
 from functools import partial
+from typing import Optional
 
 _PROGRAM_START = time.time()
 
@@ -123,7 +127,10 @@ from core.training import (  # noqa: E402
     transformer_config_from_args,
     use_prebuilt_dataset_helpers,
 )
-from core.transformer import gated_output_norm_fusion  # noqa: E402
+from core.transformer import (  # noqa: E402
+    gated_output_norm_fusion,
+    pre_gated_delta_rule_fusion_setting,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Command line: megatron's, plus the fusion flags and this launcher's metrics file
@@ -140,8 +147,8 @@ def add_launcher_args(parser):
     group.add_argument("--megatron-transformer-config", action="store_true",
                        help="build the model as megatron's own pretrain_gpt.py / "
                             "pretrain_hybrid.py do: megatron's TransformerConfig (no fusion "
-                            "fields) and the --spec as given, which switches the fusion "
-                            "(core.models.fused_gdn_specs); --fused-gated-norm is refused")
+                            "fields) and the --spec as given, which switches the fusions "
+                            "(core.models.fused_gdn_specs); the fusion flags are refused")
     return parser
 
 
@@ -161,6 +168,8 @@ def check_launcher_scope(args) -> None:
         ignored = [flag for flag, given in (
             ("--fused-gated-norm", args.fused_gated_norm),
             ("--gdn-gated-output-norm-fusion", getattr(args, "gdn_gated_output_norm_fusion", None)),
+            ("--gdn-pre-gated-delta-rule-fusion",
+             getattr(args, "gdn_pre_gated_delta_rule_fusion", None)),
             ("--gdn-out-norm-zero-centered-gamma", zero_centered)) if given]
         if ignored:
             raise ValueError(f"--megatron-transformer-config: megatron's TransformerConfig has "
@@ -255,30 +264,39 @@ def gdn_block_spec(model_config, vp_stage=None):
 _GDN_LAYERS: dict = {}  # filled by check_fused_gdn, written to --gdn-metrics-out
 
 
-def check_fused_gdn(model_chunks, gated_output_norm: bool = True):
-    """megatron post-wrap hook: refuse a model whose GDN layers do not run the fused output norm
-    as asked (``gated_output_norm``: whether the run asks for it) or would ignore the flag;
-    count the GDN layers (ours, and with the fused path on) for --gdn-metrics-out."""
-    assert_fused_gdn(model_chunks, gated_output_norm=gated_output_norm)
-    _GDN_LAYERS["gated_output_norm"] = gated_output_norm
+def check_fused_gdn(model_chunks, gated_output_norm: bool = True,
+                    pre_gated_delta_rule: Optional[bool] = False):
+    """megatron post-wrap hook: refuse a model whose GDN layers do not run the fusions as asked
+    (``gated_output_norm``, ``pre_gated_delta_rule``: whether the run asks for them; None: the
+    spec decides, nothing is asked) or would ignore a flag; count the GDN layers (ours, with
+    the fused output norm on, with the fusion before the gated delta rule on) for
+    --gdn-metrics-out."""
+    assert_fused_gdn(model_chunks, gated_output_norm=gated_output_norm,
+                     pre_gated_delta_rule=bool(pre_gated_delta_rule))
+    _GDN_LAYERS.update(gated_output_norm=gated_output_norm,
+                       pre_gated_delta_rule=pre_gated_delta_rule)
     layers = [m for chunk in model_chunks for m in chunk.modules()
               if isinstance(m, GatedDeltaNet)]
-    counts = torch.tensor([len(layers), sum(m.fused_gated_norm for m in layers)],
+    counts = torch.tensor([len(layers), sum(m.fused_gated_norm for m in layers),
+                           sum(m.pre_gated_delta_rule_fusion for m in layers)],
                           device=torch.cuda.current_device() if HAS_CUDA else "cpu")
     if mpu.get_pipeline_model_parallel_world_size() > 1:  # each stage holds other layers
         torch.distributed.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
     config_class = type(get_attr_wrapped_model(model_chunks[0], "config"))
-    _GDN_LAYERS.update(count=int(counts[0]), fused=int(counts[1]),
+    _GDN_LAYERS.update(count=int(counts[0]), fused=int(counts[1]), pre_fused=int(counts[2]),
                        config_class=f"{config_class.__module__}.{config_class.__qualname__}")
     return model_chunks
 
 
-def gdn_hybrid_stack_spec(spec=None, gated_output_norm: bool = True):
+def gdn_hybrid_stack_spec(spec=None, gated_output_norm: bool = True,
+                          pre_gated_delta_rule: bool = False):
     """``use_fused_gdn`` of ``spec`` (``--spec``) or megatron's ``hybrid_stack_spec``: its 'G'
     layers hold our GatedDeltaNet, in the decoder and in the multi-token prediction depths, the
-    fused output norm on or off as ``gated_output_norm`` says."""
+    fused output norm and the fusion before the gated delta rule on or off as
+    ``gated_output_norm`` and ``pre_gated_delta_rule`` say."""
     return use_fused_gdn(te_stand_ins(hybrid_stack_spec if spec is None else spec),
-                         gated_output_norm=gated_output_norm)
+                         gated_output_norm=gated_output_norm,
+                         pre_gated_delta_rule=pre_gated_delta_rule)
 
 
 def te_stand_ins(spec):
@@ -295,14 +313,15 @@ def model_config_from_args(args):
     """megatron's model config from the command line, with our transformer config and spec.
     ``--hybrid-layer-pattern``: a HybridModelConfig with :func:`gdn_hybrid_stack_spec`. Else a
     GPTModelConfig with ``--spec`` (megatron's: a spec or spec function by module and name)
-    through ``use_fused_gdn`` with the flag's setting, or :func:`gdn_block_spec`.
+    through ``use_fused_gdn`` with the flags' settings, or :func:`gdn_block_spec`.
     ``--megatron-transformer-config``: what megatron's own pretrain scripts build, megatron's
     TransformerConfig and the ``--spec`` as it is (the CPU run's TE stand-ins aside)."""
     stock = args.megatron_transformer_config
     config = None if stock else transformer_config_from_args(args)
-    # Our config: its flag decides, and every spec follows it. megatron's: the spec switches the
-    # fusion, and the model must run it.
+    # Our config: its flags decide, and every spec follows them. megatron's: the spec switches
+    # the fusions, and the model must run the fused output norm (the other is the spec's choice).
     fused = True if stock else bool(gated_output_norm_fusion(config))
+    pre_fused = None if stock else bool(pre_gated_delta_rule_fusion_setting(config))
     hybrid = args.hybrid_layer_pattern is not None
     config_from_args = hybrid_config_from_args if hybrid else gpt_config_from_args
     model_config = config_from_args(args, config=config)
@@ -313,11 +332,14 @@ def model_config_from_args(args):
     if stock:
         spec = te_stand_ins(spec) if hybrid else spec
     elif hybrid:
-        spec = gdn_hybrid_stack_spec(spec, gated_output_norm=fused)
+        spec = gdn_hybrid_stack_spec(spec, gated_output_norm=fused, pre_gated_delta_rule=pre_fused)
+    elif spec is None:
+        spec = gdn_block_spec  # the config decides
     else:
-        spec = gdn_block_spec if spec is None else use_fused_gdn(spec, gated_output_norm=fused)
+        spec = use_fused_gdn(spec, gated_output_norm=fused, pre_gated_delta_rule=pre_fused)
     setattr(model_config, spec_field, spec)
-    model_config.post_wrap_hooks.append(partial(check_fused_gdn, gated_output_norm=fused))
+    model_config.post_wrap_hooks.append(partial(check_fused_gdn, gated_output_norm=fused,
+                                                pre_gated_delta_rule=pre_fused))
     return model_config
 
 
@@ -467,6 +489,8 @@ def write_metrics(path: str) -> None:
     args = get_args()
     summary = {
         "fused_gated_norm": _GDN_LAYERS.get("gated_output_norm"),
+        # None with --megatron-transformer-config: the spec decides (gdn_layers_pre_fused)
+        "gdn_pre_gated_delta_rule_fusion": _GDN_LAYERS.get("pre_gated_delta_rule"),
         "megatron_transformer_config": args.megatron_transformer_config,
         "transformer_config_class": _GDN_LAYERS.get("config_class"),
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
@@ -480,6 +504,7 @@ def write_metrics(path: str) -> None:
         "loaded_iteration": args.iteration if args.load else None,
         "gdn_layers": _GDN_LAYERS.get("count"),
         "gdn_layers_fused": _GDN_LAYERS.get("fused"),
+        "gdn_layers_pre_fused": _GDN_LAYERS.get("pre_fused"),
         "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
         "max_memory_allocated": torch.cuda.max_memory_allocated() if HAS_CUDA else None,
         "iterations": rows,

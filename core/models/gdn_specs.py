@@ -1,5 +1,6 @@
 """Specs that build Gated DeltaNet models whose GDN layers are core.ssm.GatedDeltaNet (the class
-that implements the fused output norm), on top of megatron-core's own spec functions.
+that implements the fused output norm and the fusion before the gated delta rule), on top of
+megatron-core's own spec functions.
 
     use_fused_gdn(spec)                   any megatron spec tree with megatron's GatedDeltaNet
                                           replaced by ours, fused whatever the config (nothing
@@ -21,11 +22,11 @@ HybridModel ('G' layers of a ``hybrid_layer_pattern``): ``use_fused_gdn(hybrid_s
 'transformer_engine' (megatron's default); ``False`` forces megatron-core's own modules
 (ColumnParallelLinear / RowParallelLinear / DotProductAttention and
 :class:`core.transformer.LocalNorm`), which work on any device; ``True`` without TE raises.
-The ``get_gdn_*`` builders leave the fusion to the config (``fused_gated_norm``, or megatron
-main's name ``gdn_gated_output_norm_fusion``; unset: off). :func:`use_fused_gdn` switches it on
-in the spec itself, which serves any config, megatron's own TransformerConfig included (what
-megatron's pretrain scripts build, with no fusion field), as do the ready-made specs for
-megatron's ``--spec`` option in ``core.models.fused_gdn_specs``.
+The ``get_gdn_*`` builders leave the fusions to the config (``fused_gated_norm``, or megatron
+main's name ``gdn_gated_output_norm_fusion``; ``gdn_pre_gated_delta_rule_fusion``; unset: off).
+:func:`use_fused_gdn` switches them in the spec itself, which serves any config, megatron's
+own TransformerConfig included (what megatron's pretrain scripts build, with no fusion field),
+as do the ready-made specs for megatron's ``--spec`` option in ``core.models.fused_gdn_specs``.
 
 Example::
 
@@ -79,8 +80,10 @@ from core.fusions.gated_norm_validation import check_bool
 from core.transformer.rms_norm import LocalNorm
 from core.transformer.transformer_config import (
     GATED_OUTPUT_NORM_NAMES,
+    PRE_GATED_DELTA_RULE_NAME,
     gated_output_norm_fusion,
     gdn_out_norm_zero_centered,
+    pre_gated_delta_rule_fusion_setting,
 )
 
 try:
@@ -279,9 +282,11 @@ def use_fused_gdn(spec: Any, *, gated_output_norm: bool = True,
     fix it; so does a config that violates the fusion's rules (RMSNorm, a silu gate, ...).
     False builds our class with the unfused norm (a config that turns the fusion on fails).
     ``pre_gated_delta_rule`` (megatron main's ``gdn_pre_gated_delta_rule_fusion``): the fusion
-    before the recurrence, not implemented: True raises NotImplementedError. Either argument
-    that is not a bool raises TypeError. Check the built model with
-    ``assert_fused_gdn(model)`` (same keywords).
+    before the recurrence, the same way through the param ``pre_gated_delta_rule_fusion``
+    (False, the default, builds our class without it; a config that turns it on then fails the
+    build, saying how to fix it). The two are independent and compose. Either argument that is
+    not a bool raises TypeError. Check the built model with ``assert_fused_gdn(model)`` (same
+    keywords).
 
     Works on any spec megatron (or a framework on top of it) builds: the GPT block spec of the
     ``gated_delta_net`` attention variant
@@ -302,26 +307,21 @@ def use_fused_gdn(spec: Any, *, gated_output_norm: bool = True,
     same signature, the replacement made in what it builds); None, a string or another non-spec
     raises TypeError."""
     _check_fusions("use_fused_gdn", gated_output_norm, pre_gated_delta_rule)
-    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet},
-                           {GatedDeltaNet: {"fused_gated_norm": gated_output_norm}})
+    params = {"fused_gated_norm": gated_output_norm,
+              "pre_gated_delta_rule_fusion": pre_gated_delta_rule}
+    return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet}, {GatedDeltaNet: params})
 
 
 def _check_fusions(entry: str, gated_output_norm, pre_gated_delta_rule) -> None:
-    """The fusion keywords of :func:`use_fused_gdn` and :func:`assert_fused_gdn`: bools
-    (TypeError), and no request for the fusion that is not implemented (NotImplementedError)."""
+    """The fusion keywords of :func:`use_fused_gdn` and :func:`assert_fused_gdn` are bools
+    (TypeError)."""
     check_bool(entry, "gated_output_norm", gated_output_norm)
     check_bool(entry, "pre_gated_delta_rule", pre_gated_delta_rule)
-    if pre_gated_delta_rule:
-        raise NotImplementedError(
-            f"{entry}: pre_gated_delta_rule=True asks for the fusion before the gated delta rule "
-            "(megatron main's gdn_pre_gated_delta_rule_fusion), which "
-            "core.ssm.gated_delta_net.GatedDeltaNet does not implement; pass "
-            "pre_gated_delta_rule=False")
 
 
 def _with_our_gdn(spec: Any) -> Any:
     """``spec`` with our GatedDeltaNet in place of megatron's and no param: the config of the
-    model decides whether the fused output norm runs (the spec builders below, which take it)."""
+    model decides whether the fusions run (the spec builders below, which take it)."""
     return replace_modules(spec, {MegatronGatedDeltaNet: GatedDeltaNet})
 
 
@@ -332,6 +332,8 @@ def _only_ours_honours(config) -> list:
     if gated_output_norm_fusion(config):
         asked.append(" / ".join(f"{name}=True" for name in GATED_OUTPUT_NORM_NAMES
                                 if getattr(config, name, None) is True))
+    if pre_gated_delta_rule_fusion_setting(config):
+        asked.append(f"{PRE_GATED_DELTA_RULE_NAME}=True")
     if gdn_out_norm_zero_centered(config) != bool(config.layernorm_zero_centered_gamma):
         asked.append(
             f"gdn_out_norm_zero_centered_gamma={config.gdn_out_norm_zero_centered_gamma} "
@@ -378,15 +380,16 @@ def assert_fused_gdn(model, *, gated_output_norm: bool = True,
 
     ``gated_output_norm=True`` (the default): every GDN layer must be
     :class:`core.ssm.GatedDeltaNet` with its fused output norm on (its ``fused_gated_norm``
-    attribute). ``False`` asks for no fusion: only a layer of another GatedDeltaNet class whose
-    config asks for something only ours does (the fused norm, or a
+    attribute). ``pre_gated_delta_rule=True``: every GDN layer must be ours with the fusion
+    before the gated delta rule on (its ``pre_gated_delta_rule_fusion`` attribute). A keyword
+    that is False asks nothing of that fusion; with both False only a layer of another
+    GatedDeltaNet class whose config asks for something only ours does (either fusion, or a
     ``gdn_out_norm_zero_centered_gamma`` that differs from ``layernorm_zero_centered_gamma``)
-    is refused, since it would ignore that setting. ``pre_gated_delta_rule=True`` raises
-    NotImplementedError (not implemented here).
+    is refused, since it would ignore that setting.
 
     Raises TypeError when ``model`` is not a Megatron model (see below) and when some offending
     layer is of another class than ours; ValueError when every offending layer is ours with
-    the fusion off. The message names every such module path and says how to fix it.
+    a fusion asked for off. The message names every such module path and says how to fix it.
 
     ``model``: a ``megatron.core.transformer.module.MegatronModule`` (megatron's DDP, FSDP and
     Float16Module wrappers included, and torch's DDP around one) or a non-empty list / tuple of
@@ -402,18 +405,25 @@ def assert_fused_gdn(model, *, gated_output_norm: bool = True,
     Launchers call it right after building the model (examples/pretrain_gdn_megatron.py: as
     a post-wrap hook of megatron's model config)."""
     _check_fusions("assert_fused_gdn", gated_output_norm, pre_gated_delta_rule)
-    other_class, unfused, asked_for = [], [], []
+    # The fusions asked for: {their name in a message: the attribute of our class that says
+    # whether a layer runs it}.
+    fusions = {name: attribute for name, attribute, asked in (
+        ("the fused output norm", "fused_gated_norm", gated_output_norm),
+        ("the fusion before the gated delta rule", "pre_gated_delta_rule_fusion",
+         pre_gated_delta_rule)) if asked}
+    other_class, asked_for = [], []
+    unfused = {fusion: [] for fusion in fusions}
     for prefix, chunk in _model_chunks(model):
         for name, module in chunk.named_modules():
             if not isinstance(module, MegatronGatedDeltaNet):
                 continue
             path = f"{prefix}{name or '<root>'}"
             if isinstance(module, GatedDeltaNet):
-                if gated_output_norm and module.fused_gated_norm is not True:
-                    unfused.append(path)
+                for fusion, attribute in fusions.items():
+                    if getattr(module, attribute) is not True:
+                        unfused[fusion].append(path)
                 continue
-            asked = ["the fused output norm"] if gated_output_norm else []
-            asked += _only_ours_honours(module.config)
+            asked = [*fusions, *_only_ours_honours(module.config)]
             if asked:
                 other_class.append(f"{path} ({type(module).__module__}."
                                    f"{type(module).__qualname__})")
@@ -424,18 +434,35 @@ def assert_fused_gdn(model, *, gated_output_norm: bool = True,
             f"these GDN layers are another GatedDeltaNet class than "
             f"core.ssm.gated_delta_net.GatedDeltaNet and would silently ignore "
             f"{', '.join(asked_for)}: {'; '.join(other_class)}")
-    if unfused:
-        problems.append(
-            f"these GDN layers are ours with the fused output norm off (their config turns it "
-            f"off or leaves it unset, and their spec does not switch it on): {'; '.join(unfused)}")
+    for fusion, paths in unfused.items():
+        if paths:
+            problems.append(
+                f"these GDN layers are ours with {fusion} off (their config turns it off or "
+                f"leaves it unset, and their spec does not switch it on): {'; '.join(paths)}")
     if problems:
         error = TypeError if other_class else ValueError
-        raise error(
-            f"assert_fused_gdn(gated_output_norm={gated_output_norm}): {' and '.join(problems)}. "
-            "Build the model from core.models.use_fused_gdn(spec) (it turns the fusion on), or "
-            "set the config's fused_gated_norm (megatron main: gdn_gated_output_norm_fusion) to "
-            "True with core.models.get_gdn_hybrid_block_spec(config); pass "
-            "gated_output_norm=False to check a model built without the fusion on purpose.")
+        keywords = f"gated_output_norm={gated_output_norm}"
+        if pre_gated_delta_rule:
+            keywords += ", pre_gated_delta_rule=True"
+        raise error(f"assert_fused_gdn({keywords}): {' and '.join(problems)}. "
+                    f"{_how_to_fuse(gated_output_norm, pre_gated_delta_rule)}")
+
+
+def _how_to_fuse(gated_output_norm: bool, pre_gated_delta_rule: bool) -> str:
+    """How to build a model that runs the fusions assert_fused_gdn asks for, for its message."""
+    if not pre_gated_delta_rule:
+        return ("Build the model from core.models.use_fused_gdn(spec) (it turns the fusion on), "
+                "or set the config's fused_gated_norm (megatron main: "
+                "gdn_gated_output_norm_fusion) to True with "
+                "core.models.get_gdn_hybrid_block_spec(config); pass gated_output_norm=False to "
+                "check a model built without the fusion on purpose.")
+    fields = ["fused_gated_norm (megatron main: gdn_gated_output_norm_fusion)"] * (
+        gated_output_norm) + [PRE_GATED_DELTA_RULE_NAME]
+    return (f"Build the model from core.models.use_fused_gdn(spec, gated_output_norm="
+            f"{gated_output_norm}, pre_gated_delta_rule=True), or set the config's "
+            f"{' and '.join(fields)} to True with core.models.get_gdn_hybrid_block_spec(config); "
+            "pass pre_gated_delta_rule=False to check a model built without that fusion on "
+            "purpose.")
 
 
 def _use_te(use_te: Optional[bool], config=None) -> bool:

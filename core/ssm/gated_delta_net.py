@@ -42,6 +42,7 @@ The hooks run through core.ssm.module_hooks.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Optional
 
 import torch
@@ -52,6 +53,7 @@ from megatron.core.transformer.spec_utils import build_module
 from core.fusions import fused_gated_norm as fused_gated_norm_module
 from core.fusions.fused_gated_norm import apply_validated_gated_norm
 from core.fusions.gated_norm_validation import gate_activation_name
+from core.ssm import pre_gated_delta_rule_forward
 from core.ssm.fsdp_tags import keep_tag_on_megatron_fsdp_copy, torch_fsdp2_sharded_param_tagged
 from core.ssm.megatron_gdn_import import import_megatron_gdn
 from core.ssm.module_hooks import (
@@ -72,7 +74,11 @@ from core.ssm.tp_grad_reduction import (
     registered_parameter,
     scale_grad,
 )
-from core.transformer.transformer_config import gdn_out_norm_zero_centered, validate_gdn_config
+from core.transformer.transformer_config import (
+    gdn_out_norm_zero_centered,
+    validate_gdn_config,
+    validate_pre_gated_delta_rule_config,
+)
 
 _MegatronGatedDeltaNet = import_megatron_gdn().GatedDeltaNet
 
@@ -82,18 +88,24 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
     gate to the fused kernel. Constructor arguments are megatron's, and ``fused_gated_norm``: a
     spec param (set by ``core.models.use_fused_gdn(spec)``) that switches it on where the config
     has no such field, such as megatron's own TransformerConfig, or leaves it unset; None (no
-    param) leaves it to the config (``validate_gdn_config``).
+    param) leaves it to the config (``validate_gdn_config``). ``pre_gated_delta_rule_fusion``:
+    the spec param of the fusion before the gated delta rule, the same way
+    (``config.gdn_pre_gated_delta_rule_fusion``; ``use_fused_gdn(spec,
+    pre_gated_delta_rule=True)``; ``validate_pre_gated_delta_rule_config``). The attributes
+    ``fused_gated_norm`` and ``pre_gated_delta_rule_fusion`` hold the resolved bools.
 
     ``out_norm_grad_scales``: per parameter of out_norm (``"weight"``, and ``"bias"`` where the
     norm has one), the factor the backward applies to its gradient: ``tp_size`` where this class
     completes the TP reduction, else 1.0. ``out_norm_weight_grad_scale`` is the weight's."""
 
     def __init__(self, config, submodules, *args, fused_gated_norm: Optional[bool] = None,
-                 **kwargs):
+                 pre_gated_delta_rule_fusion: Optional[bool] = None, **kwargs):
         # configs of other classes may carry the fields as attributes, or have none
         fused = validate_gdn_config(config, fused_gated_norm)
+        pre_fused = validate_pre_gated_delta_rule_config(config, pre_gated_delta_rule_fusion)
         super().__init__(config, submodules, *args, **kwargs)
         self.fused_gated_norm = fused
+        self.pre_gated_delta_rule_fusion = pre_fused
         self.out_norm_zero_centered = gdn_out_norm_zero_centered(config)
         if self.out_norm_zero_centered != bool(config.layernorm_zero_centered_gamma):
             # The norm builders (TENorm, RMSNorm) read the global flag: give them a config copy.
@@ -127,11 +139,13 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
         the wait the convolution may read a stale weight wherever a DDP bucket ends between
         in_proj's weight and conv1d's. While this forward runs, conv1d's pre-hooks run as
         in_proj returns, just before the read (and nothing is added where conv1d has none)."""
+        run = (partial(pre_gated_delta_rule_forward.forward, self)
+               if self.pre_gated_delta_rule_fusion else super().forward)
         if not has_forward_pre_hooks(self.conv1d):
-            return super().forward(*args, **kwargs)
+            return run(*args, **kwargs)
         handle = self.in_proj.register_forward_hook(self._run_conv1d_pre_hooks)
         try:
-            return super().forward(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             handle.remove()
 

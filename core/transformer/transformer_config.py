@@ -1,4 +1,5 @@
-"""megatron-core's TransformerConfig with the switches of the fused GDN output gated norm.
+"""megatron-core's TransformerConfig with the switches of the fused GDN output gated norm and of
+the fusion before the gated delta rule.
 
 No ``from __future__ import annotations`` here: megatron's ArgumentGroupFactory (which builds
 megatron's command line from the config dataclass, see core.training.arguments) reads each
@@ -15,11 +16,11 @@ from megatron.core.transformer.transformer_config import (
 )
 
 from core.fusions.gated_norm_validation import (check_bool, check_norm_and_gate,
-                                                 check_positive_number)
+                                                 check_positive_number, gate_activation_name)
 
 # The two names of the fused output norm's switch: this package's and megatron main's.
 GATED_OUTPUT_NORM_NAMES = ("fused_gated_norm", "gdn_gated_output_norm_fusion")
-# megatron main's switch of its fusion before the recurrence, which core.ssm does not implement.
+# The switch of the fusion before the recurrence: one name, megatron main's.
 PRE_GATED_DELTA_RULE_NAME = "gdn_pre_gated_delta_rule_fusion"
 
 # The fields of the installed megatron-core's config: a field it declares itself is not
@@ -43,7 +44,8 @@ def _store_true(flag: str, help_text: Optional[str] = None) -> dict:
 
 @dataclass
 class TransformerConfig(_MegatronTransformerConfig):
-    """megatron-core's TransformerConfig plus the fused GDN output-norm switches.
+    """megatron-core's TransformerConfig plus the switches of the GDN fusions (the output norm,
+    and the fusion before the gated delta rule).
 
     Use it wherever megatron's config goes (GPTModel, the GDN specs of ``core.models``); every
     megatron field and check is unchanged.
@@ -77,6 +79,35 @@ class TransformerConfig(_MegatronTransformerConfig):
                 "megatron main's name of --fused-gated-norm: the same switch (either flag turns "
                 "the fused GDN output gated norm on)"),
         )
+
+    if "gdn_pre_gated_delta_rule_fusion" not in _MEGATRON_FIELDS:
+        # megatron main's name; declared here only while the installed megatron-core does not
+        # declare it itself. The help text is given explicitly: megatron's ArgumentGroupFactory
+        # reads the docstrings of the class body's own statements only, not of this block's.
+        gdn_pre_gated_delta_rule_fusion: Optional[bool] = field(
+            default=None,
+            metadata=_store_true(
+                "--gdn-pre-gated-delta-rule-fusion",
+                "Fuse everything between the GDN in_proj and the gated delta rule (causal "
+                "conv1d + SiLU, the split into heads, q/k L2 norm, head repeat, g and beta), "
+                "forward and backward, in Triton (core.fusions.fused_pre_gated_delta_rule). "
+                "Requires --swiglu (silu). Independent of --fused-gated-norm and composable "
+                "with it"),
+        )
+        """Compute everything between the Gated DeltaNet ``in_proj`` and the recurrence -- the
+        causal conv1d + SiLU, the split into q, k, v heads, the q/k L2 norm, the head repeat,
+        ``g`` and ``beta`` -- forward and backward in Triton
+        (``core.fusions.fused_pre_gated_delta_rule``) instead of megatron's separate ops. None:
+        not set, the GDN spec decides (``core.models.use_fused_gdn(spec,
+        pre_gated_delta_rule=True)`` turns it on), else off; True or False: the setting, which
+        a spec param must agree with (:func:`validate_pre_gated_delta_rule_config`). The field
+        keeps what was given (no bool is written over None). Requires activation_func F.silu
+        (the activation megatron applies after the short convolution). Independent of the
+        fused output norm (``fused_gated_norm`` / ``gdn_gated_output_norm_fusion``) and
+        composable with it. Takes effect in ``core.ssm.gated_delta_net.GatedDeltaNet`` only
+        (``core.models.assert_fused_gdn(model, pre_gated_delta_rule=True)`` names the layers
+        that do not run it). On megatron's command line (core.training.arguments):
+        --gdn-pre-gated-delta-rule-fusion with --swiglu."""
 
     gdn_out_norm_zero_centered_gamma: Optional[bool] = field(
         default=None,
@@ -154,20 +185,62 @@ def _zero_centered_override(config) -> Optional[bool]:
                       "follow layernorm_zero_centered_gamma")
 
 
-def check_pre_gated_delta_rule_fusion(config) -> None:
-    """megatron main's ``gdn_pre_gated_delta_rule_fusion`` (its fusion of everything between
-    in_proj and the recurrence) is not implemented by core.ssm.GatedDeltaNet: a config that
-    turns it on is refused (NotImplementedError) rather than built without it. TypeError for a
-    value that is no bool or None."""
+def pre_gated_delta_rule_fusion_setting(config) -> Optional[bool]:
+    """The fusion before the gated delta rule as ``config`` sets it: True (on), False (off) or
+    None (not set). ``gdn_pre_gated_delta_rule_fusion`` is read where the config has it (any
+    config class: ours, megatron's, a Megatron-Bridge provider carrying it as an attribute); a
+    config without it sets nothing. False in a field whose class declares the default False (a
+    megatron-core release that declares the field itself) cannot be told from unset, and reads
+    as None. TypeError for a value that is no bool or None (a string 'false' would read as
+    True)."""
     value = getattr(config, PRE_GATED_DELTA_RULE_NAME, None)
     check_bool(type(config).__name__, PRE_GATED_DELTA_RULE_NAME, value, "not set")
-    if value:
-        raise NotImplementedError(
-            f"{type(config).__name__}.{PRE_GATED_DELTA_RULE_NAME}=True: the fusion before the "
-            "gated delta rule (megatron main's) is not implemented by "
-            "core.ssm.gated_delta_net.GatedDeltaNet, which would run without it; set it False "
-            "(the fused output norm, fused_gated_norm / gdn_gated_output_norm_fusion, is "
-            "independent of it)")
+    declared = getattr(type(config), "__dataclass_fields__", {})
+    if (value is False and PRE_GATED_DELTA_RULE_NAME in declared
+            and declared[PRE_GATED_DELTA_RULE_NAME].default is False):
+        return None
+    return value
+
+
+def validate_pre_gated_delta_rule_config(
+        config, pre_gated_delta_rule_fusion: Optional[bool] = None) -> bool:
+    """Whether the fusion before the gated delta rule runs under ``config`` and the GDN spec's
+    param ``pre_gated_delta_rule_fusion`` (set by ``core.models.use_fused_gdn``), with its
+    rules checked when it does; any megatron TransformerConfig (a config without the field sets
+    nothing).
+
+    The switch is :func:`pre_gated_delta_rule_fusion_setting` of the config, unless the param is a
+    bool: then the param decides, and a config that sets the switch must agree with it
+    (ValueError naming both and the fix). None leaves the choice to the config (off where it
+    sets nothing). TypeError for a field or param that is no bool (None allowed).
+
+    Rule when on: ``activation_func`` is ``torch.nn.functional.silu`` (megatron applies it after
+    the short convolution; the fused kernel computes SiLU there), else ValueError."""
+    owner = type(config).__name__
+    setting = pre_gated_delta_rule_fusion_setting(config)
+    fused = bool(setting)
+    if pre_gated_delta_rule_fusion is not None:
+        param = check_bool("GatedDeltaNet spec params", "pre_gated_delta_rule_fusion",
+                           pre_gated_delta_rule_fusion)
+        if setting is not None and param != setting:
+            raise ValueError(
+                f"the GDN spec's param pre_gated_delta_rule_fusion={param} (from "
+                f"core.models.use_fused_gdn(spec, pre_gated_delta_rule={param})) disagrees with "
+                f"{owner}, which turns the fusion before the gated delta rule "
+                f"{'on' if setting else 'off'} ({PRE_GATED_DELTA_RULE_NAME}={setting}): build "
+                f"from use_fused_gdn(spec, pre_gated_delta_rule={setting}), or leave "
+                f"{PRE_GATED_DELTA_RULE_NAME} unset (None) so that the spec decides")
+        fused = param
+    if not fused:
+        return False
+    activation = config.activation_func
+    if gate_activation_name(activation) != "silu":
+        raise ValueError(
+            f"{owner} with {PRE_GATED_DELTA_RULE_NAME}: activation_func must be "
+            "torch.nn.functional.silu (megatron applies it after the short convolution, and "
+            "the fused kernel computes SiLU there), got "
+            f"{getattr(activation, '__name__', activation)!r}")
+    return True
 
 
 def validate_gdn_config(config, fused_gated_norm: Optional[bool] = None) -> bool:
@@ -176,15 +249,16 @@ def validate_gdn_config(config, fused_gated_norm: Optional[bool] = None) -> bool
     another class that carries the fields as plain attributes -- e.g. a Megatron-Bridge model
     provider -- is checked too). A config without the fields passes. TypeError for a field of
     the wrong type (a string or an int is not a bool), ValueError for a combination the fused
-    norm does not implement, NotImplementedError for ``gdn_pre_gated_delta_rule_fusion=True``.
-    Returns whether the fused norm is on.
+    norm does not implement, or that the fusion before the gated delta rule does not implement
+    where the config turns that on (:func:`validate_pre_gated_delta_rule_config` with no spec
+    param). Returns whether the fused norm is on.
 
     The switch is :func:`gated_output_norm_fusion` of the config, unless ``fused_gated_norm``
     (the GDN spec's param of that name, which ``core.models.use_fused_gdn`` sets) is a bool:
     then the param decides, and a config that sets the switch must agree with it (ValueError):
     nothing decides between two settings silently. None leaves the choice to the config (off
     where it sets nothing)."""
-    check_pre_gated_delta_rule_fusion(config)
+    validate_pre_gated_delta_rule_config(config)
     setting = gated_output_norm_fusion(config)
     _zero_centered_override(config)
     fused = bool(setting)

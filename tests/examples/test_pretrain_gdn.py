@@ -228,6 +228,25 @@ def test_bad_arguments_stop_before_a_model_is_built(monkeypatch, argv, message):
         example.check_config(example.resolve_defaults(example.build_parser().parse_args(argv)))
 
 
+def test_the_pre_gated_delta_rule_flag_reaches_the_config(monkeypatch):
+    """--gdn-pre-gated-delta-rule-fusion (off by default) goes into every run's config, with the
+    output norm on or off, and into the setup line of the report."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    example = _load_example("pretrain_gdn")
+    monkeypatch.setattr(example, "HAS_CUDA", False)
+    parse = example.build_parser().parse_args
+    default = example.resolve_defaults(parse([]))
+    assert default.gdn_pre_gated_delta_rule_fusion is False
+    assert example.build_config(default, True).gdn_pre_gated_delta_rule_fusion is False
+    assert "fusion before the gated delta rule off" in example.setup_line(default, 1)
+    on = example.resolve_defaults(parse(["--gdn-pre-gated-delta-rule-fusion"]))
+    for fused in (False, True):
+        config = example.build_config(on, fused)
+        assert config.gdn_pre_gated_delta_rule_fusion is True and config.fused_gated_norm is fused
+    assert "fusion before the gated delta rule on" in example.setup_line(on, 1)
+    example.check_config(on)  # megatron's rules and ours accept it
+
+
 def test_long_sequences_without_held_out_evaluation(monkeypatch):
     """Without held-out batches only the training split bounds the sequence length."""
     example = _load_example("pretrain_gdn")

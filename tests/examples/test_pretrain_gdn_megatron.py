@@ -300,7 +300,8 @@ REFUSALS = [
      "--spec no.such.module nothing: megatron could not import it"),
     ("spec_name_mistyped", ("--spec", "core.models.fused_gdn_specs", "gpt_block_specc"), (),
      "--spec core.models.fused_gdn_specs gpt_block_specc: module 'core.models.fused_gdn_specs' "
-     "has no spec 'gpt_block_specc'; its specs are: gpt_block_spec, hybrid_stack_spec"),
+     "has no spec 'gpt_block_specc'; its specs are: gpt_block_spec, hybrid_stack_spec, "
+     "gpt_block_spec_both_fusions, hybrid_stack_spec_both_fusions"),
     ("spec_name_not_in_the_module",
      ("--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_specc"), (),
      "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_specc: "
@@ -327,6 +328,11 @@ REFUSALS = [
      (STOCK, "--fused-gated-norm", "--spec", "core.models.fused_gdn_specs", "gpt_block_spec"), (),
      "--megatron-transformer-config: megatron's TransformerConfig has no field for "
      "--fused-gated-norm"),
+    ("megatron_config_with_the_pre_gated_delta_rule_flag",
+     (STOCK, "--gdn-pre-gated-delta-rule-fusion", "--spec", "core.models.fused_gdn_specs",
+      "gpt_block_spec_both_fusions"), (),
+     "--megatron-transformer-config: megatron's TransformerConfig has no field for "
+     "--gdn-pre-gated-delta-rule-fusion"),
 ]
 # Started as a user starts the launcher: one refusal of its scope rules and the one that comes
 # from building the model. The others run through the same parser and rules in one process.
@@ -562,6 +568,32 @@ def test_megatrons_own_config_with_a_fused_spec_trains_as_the_flag(tmp_path, spe
             else "core.transformer.transformer_config.TransformerConfig"), name
         assert summary["gdn_layers"] == summary["gdn_layers_fused"] == layers, name
     assert len(runs["spec"]) == 2 and runs["spec"] == runs["flag"], runs
+
+
+@pytest.mark.interpreter_backward
+def test_every_route_turns_the_pre_gated_delta_rule_fusion_on(tmp_path):
+    """--gdn-pre-gated-delta-rule-fusion (with the fused output norm's flag: they compose) on our
+    config, megatron's --spec through use_fused_gdn with the flags, and megatron's own config
+    with a ``*_both_fusions`` spec: every GDN layer runs both fusions, the post-wrap check
+    passes, and the metrics say so; without the flag no layer runs it."""
+    routes = {
+        "flags": ("--fused-gated-norm", "--gdn-pre-gated-delta-rule-fusion"),
+        "spec_option": ("--fused-gated-norm", "--gdn-pre-gated-delta-rule-fusion", "--spec",
+                        "core.models.gdn_specs", "get_gdn_hybrid_block_spec"),
+        "stock_spec": (STOCK, "--spec", "core.models.fused_gdn_specs",
+                       "gpt_block_spec_both_fusions"),
+        "norm_only": ("--fused-gated-norm",),
+    }
+    launches = _launch_together(tmp_path, [(extra, dict(metrics=f"{name}.json"))
+                                           for name, extra in routes.items()])
+    for name, (proc, metrics) in zip(routes, launches):
+        assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
+        summary = json.loads(metrics.read_text())
+        pre_fused = 0 if name == "norm_only" else 1  # layer 1 of 2 is attention
+        assert summary["gdn_layers"] == summary["gdn_layers_fused"] == 1, name
+        assert summary["gdn_layers_pre_fused"] == pre_fused, name
+        asked = None if name == "stock_spec" else bool(pre_fused)  # stock: the spec decides
+        assert summary["gdn_pre_gated_delta_rule_fusion"] is asked, name
 
 
 @pytest.mark.interpreter_backward

@@ -1,7 +1,8 @@
-"""core.models.fused_gdn_specs, the specs for megatron's ``--spec`` that switch the fusion on by
+"""core.models.fused_gdn_specs, the specs for megatron's ``--spec`` that switch the fusions on by
 themselves: with megatron's own TransformerConfig (no fusion field, as megatron's pretrain
-scripts build it) every GDN layer is ours and fused, and the models train as the unfused ones;
-the layer's construction-time rules apply; a config that sets the switch must agree."""
+scripts build it) every GDN layer is ours and fused (the ``*_both_fusions`` specs: the fusion
+before the gated delta rule too), and the models train as the unfused ones; the layer's
+construction-time rules apply; a config that sets a switch must agree."""
 
 import pytest
 import torch
@@ -107,6 +108,37 @@ def test_a_config_that_sets_the_switch_must_agree(name):
         assert [m.fused_gated_norm for m in _gdn_layers(model)] == [True]
 
 
+def test_the_both_fusions_specs_turn_the_pre_gated_delta_rule_fusion_on_too():
+    """With megatron's own config: every GDN layer runs both fusions; the plain specs leave the
+    fusion before the gated delta rule off, and a config that turns it on must use the
+    ``*_both_fusions`` ones (the others fail the build, saying how to fix it)."""
+    config = _megatron_config()
+    both = _gpt(config, fused_gdn_specs.gpt_block_spec_both_fusions(_ModelConfig(config)))
+    layers = _gdn_layers(both)
+    assert [type(m) for m in layers] == [GatedDeltaNet]
+    assert all(m.fused_gated_norm and m.pre_gated_delta_rule_fusion for m in layers)
+    plain = _gpt(config, fused_gdn_specs.gpt_block_spec(config))
+    assert [m.pre_gated_delta_rule_fusion for m in _gdn_layers(plain)] == [False]
+    mixer = fused_gdn_specs.hybrid_stack_spec_both_fusions.submodules.gdn_layer.submodules
+    assert mixer.self_attention.params == {"fused_gated_norm": True,
+                                           "pre_gated_delta_rule_fusion": True}
+    plain_mixer = fused_gdn_specs.hybrid_stack_spec.submodules.gdn_layer.submodules
+    assert plain_mixer.self_attention.params["pre_gated_delta_rule_fusion"] is False
+    sizes = dict(num_layers=2, linear_attention_freq=2, params_dtype=torch.float32)
+    on = gdn_config(**sizes, gdn_pre_gated_delta_rule_fusion=True)
+    with pytest.raises(ValueError, match=r"param pre_gated_delta_rule_fusion=False .* disagrees "
+                                         r"with TransformerConfig"):
+        _gpt(on, fused_gdn_specs.gpt_block_spec(on))
+    model = _gpt(on, fused_gdn_specs.gpt_block_spec_both_fusions(on))
+    assert [m.pre_gated_delta_rule_fusion for m in _gdn_layers(model)] == [True]
+    # a sigmoid gate: the fused output norm takes it (deterministic mode), this fusion does not
+    sigmoid = _megatron_config(activation_func=torch.sigmoid, deterministic_mode=True)
+    assert _gdn_layers(_gpt(sigmoid, fused_gdn_specs.gpt_block_spec(sigmoid)))
+    with pytest.raises(ValueError, match=r"activation_func must be torch\.nn\.functional\.silu "
+                                         r".* got 'sigmoid'"):
+        _gpt(sigmoid, fused_gdn_specs.gpt_block_spec_both_fusions(sigmoid))
+
+
 def test_megatrons_spec_option_finds_them():
     """megatron's --spec imports (module, name) with ``vars(module)[name]``: module attributes,
     not lazy ones."""
@@ -129,7 +161,8 @@ def test_a_mistyped_spec_name_is_told_the_valid_ones():
 
     with pytest.raises(AttributeError, match=r"module 'core\.models\.fused_gdn_specs' has no spec "
                                              r"'gpt_block_specc'; its specs are: gpt_block_spec, "
-                                             r"hybrid_stack_spec$"):
+                                             r"hybrid_stack_spec, gpt_block_spec_both_fusions, "
+                                             r"hybrid_stack_spec_both_fusions$"):
         getattr(fused_gdn_specs, "gpt_block_specc")
     assert not hasattr(fused_gdn_specs, "__wrapped__")  # tools probing dunder names get False
     with pytest.raises(KeyError, match="^'gpt_block_specc'$"):

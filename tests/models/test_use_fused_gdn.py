@@ -1,9 +1,9 @@
 """use_fused_gdn on megatron's own GDN specs (the GPT block spec of the gated_delta_net variant,
 dense and MoE; the hybrid stack spec; lists, tuples, import paths): only the GDN class and its
-fusion param change, the input is untouched, and the models built from both specs have the same
-state-dict and sharded-state-dict keys. The layers it builds run the fusion with any config that
-does not turn it off (megatron's own included). assert_fused_gdn refuses anything but a Megatron
-model, and a model with a GDN layer that does not run the fusion asked for."""
+fusion params change, the input is untouched, and the models built from both specs have the same
+state-dict and sharded-state-dict keys. The layers it builds run the fusions asked for with any
+config that does not turn them off (megatron's own included). assert_fused_gdn refuses anything
+but a Megatron model, and a model with a GDN layer that does not run a fusion asked for."""
 
 import copy
 import dataclasses
@@ -50,9 +50,13 @@ def _megatron_block_spec(config):
         return mexp.get_transformer_block_with_experimental_attention_variant_spec(config)
 
 
+# The params use_fused_gdn(spec) sets on our GDN specs, with its default keywords.
+DEFAULT_PARAMS = {"fused_gated_norm": True, "pre_gated_delta_rule_fusion": False}
+
+
 def _fusion_param_checked_and_dropped(node, memo=None):
-    """A copy of a spec tree built by use_fused_gdn with the param it sets on our GDN specs
-    (``fused_gated_norm=True``, asserted on each) dropped: compare_gdn_swap then judges the rest
+    """A copy of a spec tree built by use_fused_gdn with the params it sets on our GDN specs
+    (:data:`DEFAULT_PARAMS`, asserted on each) dropped: compare_gdn_swap then judges the rest
     as a pure class swap. Shared nodes stay shared."""
     memo = {} if memo is None else memo
     if id(node) in memo:
@@ -73,8 +77,8 @@ def _fusion_param_checked_and_dropped(node, memo=None):
         for field in dataclasses.fields(node):
             object.__setattr__(new, field.name, drop(getattr(node, field.name)))
         if isinstance(node, ModuleSpec) and node.module is GatedDeltaNet:
-            assert node.params["fused_gated_norm"] is True, node
-            new.params = {k: v for k, v in new.params.items() if k != "fused_gated_norm"}
+            assert {k: node.params[k] for k in DEFAULT_PARAMS} == DEFAULT_PARAMS, node
+            new.params = {k: v for k, v in new.params.items() if k not in DEFAULT_PARAMS}
     memo[id(node)] = new
     return new
 
@@ -160,7 +164,7 @@ def test_gated_output_norm_sets_the_param_of_every_gdn_spec(value):
     mixers = [layer.submodules.self_attention for layer in fused.layer_specs]
     assert mixers[0] is mixers[2] and mixers[0].module is GatedDeltaNet
     assert mixers[0].params == {**spec.layer_specs[0].submodules.self_attention.params,
-                                "fused_gated_norm": value}
+                                "fused_gated_norm": value, "pre_gated_delta_rule_fusion": False}
     assert "fused_gated_norm" not in mixers[1].params  # the attention layer's
     assert fused.layer_specs[1] is spec.layer_specs[1]
     assert spec_fingerprint(spec) == before
@@ -186,17 +190,26 @@ def test_the_fusion_keywords_are_bools(entry, keyword, value):
         entry(hybrid_stack_spec, **{keyword: value})
 
 
-@pytest.mark.parametrize("entry", [use_fused_gdn, assert_fused_gdn])
-def test_the_pre_recurrence_fusion_is_refused_not_ignored(entry):
-    """megatron main's second fusion (gdn_pre_gated_delta_rule_fusion) is not implemented: a
-    request for it raises, whatever else is asked."""
-    for gated_output_norm in (True, False):
-        with pytest.raises(NotImplementedError,
-                           match=rf"{entry.__name__}: pre_gated_delta_rule=True asks for the "
-                                 r"fusion before the gated delta rule \(megatron main's "
-                                 r"gdn_pre_gated_delta_rule_fusion\)"):
-            entry(hybrid_stack_spec, gated_output_norm=gated_output_norm,
-                  pre_gated_delta_rule=True)
+@pytest.mark.parametrize("gated_output_norm", [True, False])
+@pytest.mark.parametrize("pre_gated_delta_rule", [True, False])
+def test_both_fusion_keywords_set_their_params_independently(gated_output_norm,
+                                                             pre_gated_delta_rule):
+    """Each keyword sets its own param of every GDN spec (megatron main's second fusion,
+    gdn_pre_gated_delta_rule_fusion, as the spec param pre_gated_delta_rule_fusion)."""
+    spec = _megatron_block_spec(_config())
+    fused = use_fused_gdn(spec, gated_output_norm=gated_output_norm,
+                          pre_gated_delta_rule=pre_gated_delta_rule)
+    mixer = fused.layer_specs[0].submodules.self_attention
+    assert mixer.module is GatedDeltaNet
+    assert mixer.params["fused_gated_norm"] is gated_output_norm
+    assert mixer.params["pre_gated_delta_rule_fusion"] is pre_gated_delta_rule
+    assert use_fused_gdn(fused, gated_output_norm=gated_output_norm,
+                         pre_gated_delta_rule=pre_gated_delta_rule) is fused
+    flipped = use_fused_gdn(fused, gated_output_norm=gated_output_norm,
+                            pre_gated_delta_rule=not pre_gated_delta_rule)
+    params = flipped.layer_specs[0].submodules.self_attention.params
+    assert params["pre_gated_delta_rule_fusion"] is not pre_gated_delta_rule
+    assert params["fused_gated_norm"] is gated_output_norm
 
 
 def test_the_keywords_are_keyword_only():
@@ -371,17 +384,85 @@ def test_a_config_that_turns_the_fusion_off_fails_the_build_saying_how_to_fix_it
     assert _gdn_flags(_gpt(on, use_fused_gdn(spec))) == [True, True]
 
 
-def test_a_config_asking_for_the_pre_recurrence_fusion_fails_the_build():
-    """megatron main's gdn_pre_gated_delta_rule_fusion (here an attribute of megatron's config,
-    as a release that declares it would carry it): our layers refuse to be built without it."""
+def _pre_flags(model):
+    return [m.pre_gated_delta_rule_fusion for m in model.modules()
+            if isinstance(m, GatedDeltaNet)]
+
+
+def test_the_spec_param_builds_layers_with_the_pre_gated_delta_rule_fusion():
+    """use_fused_gdn(spec, pre_gated_delta_rule=True) with megatron's own config (no field):
+    every GDN layer is ours with the fusion on, with or without the fused output norm."""
     config = _config(config_class=MegatronTransformerConfig)
-    spec = use_fused_gdn(te_to_local(_megatron_block_spec(config)))
-    config.gdn_pre_gated_delta_rule_fusion = True
-    with pytest.raises(NotImplementedError, match=r"gdn_pre_gated_delta_rule_fusion=True: the "
-                                                  r"fusion before the gated delta rule"):
-        _gpt(config, spec)
-    config.gdn_pre_gated_delta_rule_fusion = False
-    assert _gdn_flags(_gpt(config, spec)) == [True, True]
+    spec = te_to_local(_megatron_block_spec(config))
+    for gated_output_norm in (True, False):
+        model = _gpt(config, use_fused_gdn(spec, gated_output_norm=gated_output_norm,
+                                           pre_gated_delta_rule=True))
+        assert _pre_flags(model) == [True, True]
+        assert _gdn_flags(model) == [gated_output_norm] * 2
+    assert _pre_flags(_gpt(config, use_fused_gdn(spec))) == [False, False]  # the default
+
+
+def test_the_pre_gated_delta_rule_fusion_follows_the_config_where_the_spec_leaves_it():
+    """Our config's field (or the attribute of megatron's, as a release that declares it would
+    carry it): with no param (the get_gdn_* builders) it decides; a use_fused_gdn spec whose
+    keyword disagrees fails the build saying how to fix it."""
+    on = _config(gdn_pre_gated_delta_rule_fusion=True)
+    assert _pre_flags(_gpt(on, get_gdn_hybrid_block_spec(on))) == [True, True]
+    assert _pre_flags(_gpt(_config(), get_gdn_hybrid_block_spec(_config()))) == [False, False]
+    megatrons = _config(config_class=MegatronTransformerConfig)
+    spec = te_to_local(_megatron_block_spec(megatrons))
+    megatrons.gdn_pre_gated_delta_rule_fusion = True
+    with pytest.raises(ValueError, match=r"param pre_gated_delta_rule_fusion=False \(from "
+                                         r"core\.models\.use_fused_gdn\(spec, "
+                                         r"pre_gated_delta_rule=False\)\) disagrees with "
+                                         r"TransformerConfig, which turns the fusion before the "
+                                         r"gated delta rule on .*: build from use_fused_gdn\(spec, "
+                                         r"pre_gated_delta_rule=True\)"):
+        _gpt(megatrons, use_fused_gdn(spec))
+    assert _pre_flags(_gpt(megatrons, use_fused_gdn(spec, pre_gated_delta_rule=True))) == [True] * 2
+    megatrons.activation_func = torch.nn.functional.gelu
+    with pytest.raises(ValueError, match="activation_func must be torch.nn.functional.silu"):
+        _gpt(megatrons, use_fused_gdn(spec, pre_gated_delta_rule=True))
+    megatrons.gdn_pre_gated_delta_rule_fusion = False
+    with pytest.raises(ValueError, match=r"param pre_gated_delta_rule_fusion=True .* turns the "
+                                         r"fusion before the gated delta rule off"):
+        _gpt(megatrons, use_fused_gdn(spec, gated_output_norm=False, pre_gated_delta_rule=True))
+
+
+def test_assert_fused_gdn_checks_the_pre_gated_delta_rule_fusion():
+    """pre_gated_delta_rule=True: every GDN layer must be ours with the fusion on (ValueError
+    naming the paths where it is off; a layer of megatron's class is a TypeError); the two
+    fusions are checked independently."""
+    config = _config()
+    spec = te_to_local(_megatron_block_spec(config))
+    both = _gpt(config, use_fused_gdn(spec, pre_gated_delta_rule=True))
+    assert_fused_gdn(both, pre_gated_delta_rule=True)
+    assert_fused_gdn(both, gated_output_norm=False, pre_gated_delta_rule=True)
+    pre_only = _gpt(config, use_fused_gdn(spec, gated_output_norm=False,
+                                          pre_gated_delta_rule=True))
+    assert_fused_gdn(pre_only, gated_output_norm=False, pre_gated_delta_rule=True)
+    with pytest.raises(ValueError, match=r"ours with the fused output norm off"):
+        assert_fused_gdn(pre_only, pre_gated_delta_rule=True)
+    norm_only = _gpt(config, use_fused_gdn(spec))
+    assert_fused_gdn(norm_only)
+    with pytest.raises(ValueError, match=r"assert_fused_gdn\(gated_output_norm=True, "
+                                         r"pre_gated_delta_rule=True\): these GDN layers are "
+                                         r"ours with the fusion before the gated delta rule off "
+                                         r"\(their config turns it off or leaves it unset, and "
+                                         r"their spec does not switch it on\): "
+                                         r"decoder\.layers\.0\.self_attention; "
+                                         r"decoder\.layers\.2\.self_attention\. Build the model "
+                                         r"from core\.models\.use_fused_gdn\(spec, "
+                                         r"gated_output_norm=True, pre_gated_delta_rule=True\)"):
+        assert_fused_gdn(norm_only, pre_gated_delta_rule=True)
+    unfused = _gpt(config, get_gdn_hybrid_block_spec(config))
+    with pytest.raises(ValueError, match=r"ours with the fused output norm off .* and these GDN "
+                                         r"layers are ours with the fusion before the gated delta "
+                                         r"rule off"):
+        assert_fused_gdn(unfused, pre_gated_delta_rule=True)
+    with pytest.raises(TypeError, match=r"would silently ignore the fusion before the gated delta "
+                                        r"rule: decoder\.layers\.0\.self_attention \(megatron\."):
+        assert_fused_gdn(_gpt(config, spec), gated_output_norm=False, pre_gated_delta_rule=True)
 
 
 def test_assert_fused_gdn_names_megatron_layers():
@@ -435,6 +516,16 @@ def test_assert_fused_gdn_names_a_foreign_subclass():
         assert_fused_gdn(model)
 
 
+def test_assert_fused_gdn_names_megatron_layers_whose_config_asks_for_the_pre_fusion():
+    """megatron's class ignores gdn_pre_gated_delta_rule_fusion: a config that turns it on is
+    named even when the call asks for no fusion."""
+    config = _config(gdn_pre_gated_delta_rule_fusion=True)
+    model = _gpt(config, te_to_local(_megatron_block_spec(config)))
+    with pytest.raises(TypeError, match=r"would silently ignore gdn_pre_gated_delta_rule_fusion="
+                                        r"True: decoder\.layers\.0\.self_attention"):
+        assert_fused_gdn(model, gated_output_norm=False)
+
+
 def test_assert_fused_gdn_zero_centring_override():
     override = _config(layernorm_zero_centered_gamma=True, gdn_out_norm_zero_centered_gamma=False)
     spec = te_to_local(_megatron_block_spec(override))
@@ -474,6 +565,7 @@ def test_assert_fused_gdn_looks_inside_megatrons_wrappers():
 
 
 @pytest.mark.parametrize("field, value", [("fused_gated_norm", "false"),
+                                          ("gdn_pre_gated_delta_rule_fusion", "false"),
                                           ("gdn_out_norm_zero_centered_gamma", 0)])
 def test_assert_fused_gdn_names_a_field_of_the_wrong_type(field, value):
     """A config field set from text (a provider's YAML) is named, not read as a truth value."""

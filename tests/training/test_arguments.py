@@ -18,7 +18,8 @@ from megatron.training.arguments import add_megatron_arguments, parse_args, vali
 
 from core.training import add_gdn_fusion_args, transformer_config_from_args
 from core.training.arguments import GROUP_TITLE
-from core.transformer import TransformerConfig, gated_output_norm_fusion, gdn_out_norm_zero_centered
+from core.transformer import (TransformerConfig, gated_output_norm_fusion,
+                              gdn_out_norm_zero_centered, pre_gated_delta_rule_fusion_setting)
 
 # A small Qwen3-Next-style GDN hybrid as a Megatron user writes it (no TE, no apex).
 GDN_COMMAND_LINE = """
@@ -84,13 +85,27 @@ def test_the_two_names_contradicting_each_other_are_named_with_their_flags(monke
         transformer_config_from_args(args)
 
 
+@pytest.mark.parametrize("norm_flags", [(), ("--fused-gated-norm",)], ids=["alone", "with_norm"])
+def test_the_pre_gated_delta_rule_flag_lands_in_our_config(monkeypatch, norm_flags):
+    """megatron main's --gdn-pre-gated-delta-rule-fusion: its own switch, alone or with the
+    fused output norm's."""
+    args = megatron_args(monkeypatch, "--gdn-pre-gated-delta-rule-fusion", *norm_flags)
+    assert args.gdn_pre_gated_delta_rule_fusion is True
+    config = transformer_config_from_args(args)
+    assert config.gdn_pre_gated_delta_rule_fusion is True
+    assert pre_gated_delta_rule_fusion_setting(config) is True
+    assert config.fused_gated_norm is bool(norm_flags)
+
+
 def test_defaults_flag_unset_and_zero_centring_follows_apply_layernorm_1p(monkeypatch):
     args = megatron_args(monkeypatch, "--apply-layernorm-1p")
     assert args.fused_gated_norm is None and args.gdn_gated_output_norm_fusion is None  # not set
     assert args.gdn_out_norm_zero_centered_gamma is None
+    assert args.gdn_pre_gated_delta_rule_fusion is None
     config = transformer_config_from_args(args)
     assert config.fused_gated_norm is False and config.gdn_out_norm_zero_centered_gamma is None
     assert gated_output_norm_fusion(config) is None  # a spec may switch it on
+    assert config.gdn_pre_gated_delta_rule_fusion is None  # the same
     assert gdn_out_norm_zero_centered(config) is True
     args = megatron_args(monkeypatch, "--gdn-out-norm-zero-centered-gamma")
     config = transformer_config_from_args(args)
@@ -110,6 +125,8 @@ def test_help_lists_the_flags(monkeypatch, capsys):
             "same switch") in text
     assert "--gdn-out-norm-zero-centered-gamma, --no-gdn-out-norm-zero-centered-gamma" in text
     assert "Zero-centred gamma" in text
+    assert ("--gdn-pre-gated-delta-rule-fusion Fuse everything between the GDN in_proj and the "
+            "gated delta rule") in text
 
 
 def test_layernorm_refused_naming_the_flags(monkeypatch):
@@ -127,14 +144,15 @@ def test_zero_epsilon_refused_naming_the_flags(monkeypatch):
         transformer_config_from_args(args)
 
 
-def test_gelu_gate_refused_naming_swiglu(monkeypatch):
-    # Without --swiglu megatron's activation (the GDN gate activation) is gelu.
+@pytest.mark.parametrize("flag", ["--fused-gated-norm", "--gdn-pre-gated-delta-rule-fusion"])
+def test_gelu_gate_refused_naming_swiglu(monkeypatch, flag):
+    # Without --swiglu megatron's activation (the GDN gate activation, and the activation after
+    # the short convolution) is gelu.
     line = [a for a in GDN_COMMAND_LINE if a != "--swiglu"]
-    monkeypatch.setattr(sys, "argv", ["x", *line, "--fused-gated-norm"])
+    monkeypatch.setattr(sys, "argv", ["x", *line, flag])
     args = parse_args(extra_args_provider=add_gdn_fusion_args)
     validate_args(args)
-    with pytest.raises(ValueError,
-                       match=r"got 'gelu' \[command line: --fused-gated-norm, --swiglu"):
+    with pytest.raises(ValueError, match=rf"got 'gelu' \[command line: {flag}, --swiglu"):
         transformer_config_from_args(args)
 
 
@@ -163,6 +181,12 @@ def test_string_is_not_a_bool(monkeypatch):
     args.fused_gated_norm = False
     args.gdn_out_norm_zero_centered_gamma = 1
     with pytest.raises(TypeError, match="gdn_out_norm_zero_centered_gamma must be None"):
+        transformer_config_from_args(args)
+    args.gdn_out_norm_zero_centered_gamma = None
+    args.gdn_pre_gated_delta_rule_fusion = "false"
+    with pytest.raises(TypeError, match=r"gdn_pre_gated_delta_rule_fusion must be None \(not "
+                                        r"set\), True or False, got 'false' \[command line: "
+                                        r"--gdn-pre-gated-delta-rule-fusion\]"):
         transformer_config_from_args(args)
 
 
@@ -199,7 +223,8 @@ def test_argument_group_factory_takes_our_config():
     ours = ArgumentGroupFactory(TransformerConfig, exclude=list(excluded)).build_group(
         argparse.ArgumentParser(), "transformer configuration")
     assert {a.dest for a in ours._group_actions} == megatron_dests | {
-        "fused_gated_norm", "gdn_gated_output_norm_fusion", "gdn_out_norm_zero_centered_gamma"}
+        "fused_gated_norm", "gdn_gated_output_norm_fusion", "gdn_pre_gated_delta_rule_fusion",
+        "gdn_out_norm_zero_centered_gamma"}
 
 
 def test_a_flag_megatrons_parser_already_has_is_not_added_again():
@@ -224,4 +249,26 @@ def test_a_flag_megatrons_parser_already_has_is_not_added_again():
     # without the stand-in: every flag of ours, once
     parser = add_gdn_fusion_args(argparse.ArgumentParser(allow_abbrev=False))
     assert {"--fused-gated-norm", "--gdn-gated-output-norm-fusion",
+            "--gdn-pre-gated-delta-rule-fusion",
             "--gdn-out-norm-zero-centered-gamma"} <= set(parser._option_string_actions)
+
+
+def test_a_pre_gated_delta_rule_flag_megatrons_parser_already_has_is_not_added_again():
+    """megatron main puts --gdn-pre-gated-delta-rule-fusion on its own parser (a stand-in parser
+    here): it stays the parser's, the rest of the group is added, and the config carries what
+    that flag parsed."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    theirs = parser.add_argument("--gdn-pre-gated-delta-rule-fusion", action="store_true")
+    add_gdn_fusion_args(parser)
+    assert parser._option_string_actions["--gdn-pre-gated-delta-rule-fusion"] is theirs
+    dests = [a.dest for a in parser._actions]
+    assert dests.count("gdn_pre_gated_delta_rule_fusion") == 1
+    assert {"fused_gated_norm", "gdn_gated_output_norm_fusion",
+            "gdn_out_norm_zero_centered_gamma"} <= set(dests)
+    args = parser.parse_args(["--gdn-pre-gated-delta-rule-fusion"])
+    assert args.gdn_pre_gated_delta_rule_fusion is True and args.fused_gated_norm is None
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--fuse-pre-gdr", dest="gdn_pre_gated_delta_rule_fusion",
+                        action="store_true")
+    add_gdn_fusion_args(parser)
+    assert "--gdn-pre-gated-delta-rule-fusion" not in parser._option_string_actions

@@ -1,6 +1,7 @@
 """TransformerConfig: the fused_gated_norm flag and megatron main's name of it
-(gdn_gated_output_norm_fusion), their __post_init__ rules, megatron main's pre-recurrence fusion
-refused, and the GDN output-norm zero-centring override."""
+(gdn_gated_output_norm_fusion), their __post_init__ rules, megatron main's switch of the fusion
+before the gated delta rule (gdn_pre_gated_delta_rule_fusion: its type, its rule, its spec
+param), and the GDN output-norm zero-centring override."""
 
 import dataclasses
 import importlib.util
@@ -15,7 +16,8 @@ from megatron.core.transformer import TransformerConfig as MegatronConfig
 import core.transformer.transformer_config as our_config_module
 from core.testing.gdn import gdn_config
 from core.transformer import (TransformerConfig, gated_output_norm_fusion,
-                              gdn_out_norm_zero_centered, validate_gdn_config)
+                              gdn_out_norm_zero_centered, pre_gated_delta_rule_fusion_setting,
+                              validate_gdn_config, validate_pre_gated_delta_rule_config)
 
 NAMES = ("fused_gated_norm", "gdn_gated_output_norm_fusion")
 
@@ -25,6 +27,8 @@ def test_defaults_leave_megatron_unchanged():
     assert config.fused_gated_norm is False and config.gdn_gated_output_norm_fusion is False
     assert gated_output_norm_fusion(config) is None  # neither name set
     assert config.gdn_out_norm_zero_centered_gamma is None
+    assert config.gdn_pre_gated_delta_rule_fusion is None  # not set: the spec decides
+    assert pre_gated_delta_rule_fusion_setting(config) is None
 
 
 @pytest.mark.parametrize("activation", [F.silu, torch.sigmoid])
@@ -218,22 +222,131 @@ def test_a_field_megatron_declares_is_not_declared_again(monkeypatch):
     # megatron's declared default False cannot be told from unset: the spec may decide
     assert module.gated_output_norm_fusion(config) is None
     assert module.validate_gdn_config(config, True) is True
-    with pytest.raises(NotImplementedError, match=r"gdn_pre_gated_delta_rule_fusion=True: the "
-                                                  r"fusion before the gated delta rule"):
-        gdn_config(config_class=module.TransformerConfig, gdn_pre_gated_delta_rule_fusion=True)
+    # megatron's declaration of the fusion before the gated delta rule: the same
+    assert "gdn_pre_gated_delta_rule_fusion" not in vars(module.TransformerConfig)[
+        "__annotations__"]
+    assert ours["gdn_pre_gated_delta_rule_fusion"] is megatrons["gdn_pre_gated_delta_rule_fusion"]
+    assert module.pre_gated_delta_rule_fusion_setting(config) is None  # False: not told from unset
+    assert module.validate_pre_gated_delta_rule_config(config, True) is True
+    on = gdn_config(config_class=module.TransformerConfig, gdn_pre_gated_delta_rule_fusion=True)
+    assert module.pre_gated_delta_rule_fusion_setting(on) is True
+    with pytest.raises(ValueError, match="disagrees with TransformerConfig, which turns the "
+                                         "fusion before the gated delta rule on"):
+        module.validate_pre_gated_delta_rule_config(on, False)
+    with pytest.raises(ValueError, match="activation_func must be torch.nn.functional.silu"):
+        gdn_config(config_class=module.TransformerConfig, gdn_pre_gated_delta_rule_fusion=True,
+                   activation_func=F.gelu)
 
 
-def test_megatron_mains_pre_recurrence_fusion_is_refused_not_ignored():
-    """No field of ours for it (it would do nothing); a config that has it (megatron main's, a
-    provider) and turns it on is refused where our layer is built."""
-    assert not hasattr(gdn_config(), "gdn_pre_gated_delta_rule_fusion")
+# --- the fusion before the gated delta rule (megatron main's gdn_pre_gated_delta_rule_fusion) --
+
+
+def test_the_pre_gated_delta_rule_field_is_ours_while_megatron_lacks_it():
+    """megatron-core 0.19 has no such field: ours declares it, default None (not set), and keeps
+    what it was given (no bool is written over None)."""
+    assert "gdn_pre_gated_delta_rule_fusion" not in {
+        f.name for f in dataclasses.fields(MegatronConfig)}
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}[
+        "gdn_pre_gated_delta_rule_fusion"]
+    assert field.default is None
+    assert field.metadata["argparse_meta"]["arg_names"] == ["--gdn-pre-gated-delta-rule-fusion"]
+    for value in (True, False, None):
+        config = gdn_config(gdn_pre_gated_delta_rule_fusion=value)
+        assert config.gdn_pre_gated_delta_rule_fusion is value
+        assert pre_gated_delta_rule_fusion_setting(config) is value
+        assert validate_pre_gated_delta_rule_config(config) is bool(value)
+
+
+@pytest.mark.parametrize("value", ["false", 1, 0.0])
+def test_the_pre_gated_delta_rule_switch_must_be_a_bool_or_none(value):
+    with pytest.raises(TypeError, match=rf"TransformerConfig: gdn_pre_gated_delta_rule_fusion "
+                                        rf"must be None \(not set\), True or False, got "
+                                        rf"{value!r}"):
+        gdn_config(gdn_pre_gated_delta_rule_fusion=value)
+
+
+@pytest.mark.parametrize("activation", [F.gelu, torch.sigmoid, torch.nn.SiLU])
+def test_the_pre_gated_delta_rule_fusion_requires_silu(activation):
+    """megatron applies activation_func after the short convolution; the fused kernel computes
+    SiLU there. Off, any activation megatron takes is left to megatron."""
+    with pytest.raises(ValueError, match=r"TransformerConfig with gdn_pre_gated_delta_rule_fusion: "
+                                         r"activation_func must be torch\.nn\.functional\.silu "
+                                         r"\(megatron applies it after the short convolution.*\), "
+                                         r"got '(gelu|sigmoid|SiLU)'"):
+        gdn_config(gdn_pre_gated_delta_rule_fusion=True, activation_func=activation)
+    assert gdn_config(gdn_pre_gated_delta_rule_fusion=False,
+                      activation_func=activation).activation_func is activation
+
+
+def test_the_two_fusions_are_independent_and_compose():
+    """Each switch leaves the other as it is; validate_gdn_config still returns the output
+    norm's state."""
+    both = gdn_config(fused_gated_norm=True, gdn_pre_gated_delta_rule_fusion=True)
+    assert both.fused_gated_norm is True and both.gdn_pre_gated_delta_rule_fusion is True
+    assert validate_gdn_config(both) is True and validate_pre_gated_delta_rule_config(both)
+    pre_only = gdn_config(gdn_pre_gated_delta_rule_fusion=True)
+    assert pre_only.fused_gated_norm is False and gated_output_norm_fusion(pre_only) is None
+    assert validate_gdn_config(pre_only) is False
+    assert validate_pre_gated_delta_rule_config(pre_only) is True
+    norm_only = gdn_config(fused_gated_norm=True)
+    assert validate_pre_gated_delta_rule_config(norm_only) is False
+    # the fusion before the gated delta rule takes no RMSNorm rule of the output norm's
+    layer_norm = gdn_config(gdn_pre_gated_delta_rule_fusion=True, normalization="LayerNorm")
+    assert validate_pre_gated_delta_rule_config(layer_norm) is True
+
+
+def test_the_pre_gated_delta_rule_spec_param_resolves_against_the_config():
+    """The GDN spec's param ``pre_gated_delta_rule_fusion`` (core.models.use_fused_gdn sets it):
+    a bool decides, and a config that sets the switch must agree (ValueError naming both and
+    the fix); None leaves it to the config; anything else is a TypeError."""
+    unset = gdn_config()
+    assert validate_pre_gated_delta_rule_config(unset, None) is False
+    assert validate_pre_gated_delta_rule_config(unset, False) is False
+    assert validate_pre_gated_delta_rule_config(unset, True) is True
+    on = gdn_config(gdn_pre_gated_delta_rule_fusion=True)
+    assert validate_pre_gated_delta_rule_config(on, True) is True
+    assert validate_pre_gated_delta_rule_config(on, None) is True
+    with pytest.raises(ValueError, match=r"the GDN spec's param pre_gated_delta_rule_fusion=False "
+                                         r"\(from core\.models\.use_fused_gdn\(spec, "
+                                         r"pre_gated_delta_rule=False\)\) disagrees with "
+                                         r"TransformerConfig, which turns the fusion before the "
+                                         r"gated delta rule on \(gdn_pre_gated_delta_rule_fusion="
+                                         r"True\): build from use_fused_gdn\(spec, "
+                                         r"pre_gated_delta_rule=True\), or leave "
+                                         r"gdn_pre_gated_delta_rule_fusion unset \(None\)"):
+        validate_pre_gated_delta_rule_config(on, False)
+    off = gdn_config(gdn_pre_gated_delta_rule_fusion=False)
+    assert validate_pre_gated_delta_rule_config(off, False) is False
+    with pytest.raises(ValueError, match=r"param pre_gated_delta_rule_fusion=True .* turns the "
+                                         r"fusion before the gated delta rule off"):
+        validate_pre_gated_delta_rule_config(off, True)
+    for value in ("yes", 1):
+        with pytest.raises(TypeError, match=rf"GatedDeltaNet spec params: "
+                                            rf"pre_gated_delta_rule_fusion must be a bool \(True "
+                                            rf"or False\), got {value!r}"):
+            validate_pre_gated_delta_rule_config(unset, value)
+    gelu = gdn_config(activation_func=F.gelu)  # the param on brings the rule with it
+    with pytest.raises(ValueError, match=r"activation_func must be torch\.nn\.functional\.silu"):
+        validate_pre_gated_delta_rule_config(gelu, True)
+    assert validate_pre_gated_delta_rule_config(gelu, False) is False
+
+
+def test_a_config_of_another_class_carries_the_pre_gated_delta_rule_switch():
+    """megatron's own config with the field as a plain attribute (a Megatron-Bridge provider, a
+    megatron that declares it): validate_gdn_config checks its type and, when on, its rule;
+    without the attribute nothing is set."""
     config = MegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
+    assert pre_gated_delta_rule_fusion_setting(config) is None
+    assert validate_pre_gated_delta_rule_config(config) is False
     config.gdn_pre_gated_delta_rule_fusion = False
     assert validate_gdn_config(config) is False
+    assert pre_gated_delta_rule_fusion_setting(config) is False  # no declared default: set
     config.gdn_pre_gated_delta_rule_fusion = True
-    with pytest.raises(NotImplementedError,
-                       match=r"TransformerConfig\.gdn_pre_gated_delta_rule_fusion=True"):
+    with pytest.raises(ValueError, match=r"activation_func must be .* got 'gelu'"):  # megatron's
         validate_gdn_config(config)
+    config.activation_func = F.silu
+    assert validate_gdn_config(config) is False  # the output norm's state, as before
+    assert validate_pre_gated_delta_rule_config(config) is True
     config.gdn_pre_gated_delta_rule_fusion = "yes"
     with pytest.raises(TypeError, match="gdn_pre_gated_delta_rule_fusion must be None"):
         validate_gdn_config(config)

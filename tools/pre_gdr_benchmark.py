@@ -1,0 +1,202 @@
+"""Benchmark and GPU parity of the fused pre-recurrence region, on one GPU, in one process.
+
+    python tools/pre_gdr_benchmark.py [--out DIR] [--quick]   # GPU: pre_gdr_benchmark.json
+
+The region: the bshd in_proj output to q, k, v, g, beta (Qwen3-Next per-rank sizes: key and
+value head dims 128, conv width 4, 2 value heads per key head). Per shape, GPU time (CUDA graph
+replay) of the forward and of forward + backward of:
+  ours      ``fused_pre_gated_delta_rule``
+  megatron  megatron-core's own steps: FLA's ``causal_conv1d`` (SiLU inside), its
+            ``_prepare_input_for_gated_delta_rule`` and ``_compute_g_and_beta`` (``jit_fuser``
+            on, as megatron trains), FLA's ``l2norm`` inside it
+next to the byte floor (bytes read and written once, at the copy ceiling measured in the same
+run). Parity (--parity): the share of bitwise-equal elements of ours against megatron's eager
+steps (FLA's kernels, the methods unwrapped), worst ulp distance, and the gradients' error
+against a float64 reference beside the unfused path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule  # noqa: E402
+from core.fusions.pre_gated_delta_rule_reference import (  # noqa: E402
+    unfused_pre_gated_delta_rule)
+from tools.bench_common import (bench_graph, copy_ceiling, environment,  # noqa: E402
+                                log, require_cuda, write_json)
+
+DK = DV = 128
+WIDTH = 4
+SHAPES = [(batch, seq, heads) for heads in (32, 8, 4) for seq in (4096, 8192)
+          for batch in (1, 2)]
+QUICK_SHAPES = [(1, 4096, 32), (1, 4096, 8), (1, 4096, 4)]
+
+
+def region_inputs(batch, seq, hv, dtype=torch.bfloat16, device="cuda", seed=0):
+    """(qkvzba as the bshd view of an sbhd in_proj output, conv weight, A_log, dt_bias)."""
+    hk = hv // 2
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    width = 2 * hk * DK + 2 * hv * DV + 2 * hv
+    sbhd = torch.randn(seq, batch, width, generator=gen).to(device, dtype)
+    weight = (torch.randn(2 * hk * DK + hv * DV, 1, WIDTH, generator=gen) * 0.5).to(device, dtype)
+    a_log = torch.log(torch.rand(hv, generator=gen) * 15 + 1).to(device, dtype)
+    dt_bias = torch.randn(hv, generator=gen).to(device, dtype)
+    return sbhd.transpose(0, 1), weight, a_log, dt_bias
+
+
+def heads(hv):
+    return dict(num_key_heads=hv // 2, key_head_dim=DK, num_value_heads=hv, value_head_dim=DV)
+
+
+def ours(qkvzba, weight, a_log, dt_bias, hv):
+    return fused_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias, **heads(hv))
+
+
+def megatron_steps(eager: bool):
+    """megatron-core's region as its forward runs it (``jit_fuser`` on unless ``eager``)."""
+    from fla.modules.convolution import causal_conv1d
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    prepare = _GDNBase._prepare_input_for_gated_delta_rule
+    g_and_beta = _GDNBase._compute_g_and_beta
+    if eager:
+        prepare = getattr(prepare, "__wrapped__", prepare)
+        g_and_beta = getattr(g_and_beta, "__wrapped__", g_and_beta)
+
+    def run(qkvzba, weight, a_log, dt_bias, hv):
+        hk = hv // 2
+        layer = types.SimpleNamespace(qk_dim_local_tp=hk * DK, v_dim_local_tp=hv * DV,
+                                      cp_size=1, key_head_dim=DK, value_head_dim=DV,
+                                      use_qk_l2norm=True, num_value_heads=hv,
+                                      num_key_heads=hk)
+        batch, seq, _ = qkvzba.shape
+        qkv, gate, beta, alpha = torch.split(
+            qkvzba, (2 * hk * DK + hv * DV, hv * DV, hv, hv), dim=-1)
+        gate = gate.reshape(batch, seq, -1, DV)
+        qkv, _ = causal_conv1d(x=qkv, weight=weight.squeeze(1), bias=None, activation="silu",
+                               initial_state=None, output_final_state=False, cu_seqlens=None)
+        q, k, v, gate, beta, alpha = prepare(layer, qkv, gate, batch, seq, beta, alpha)
+        g, beta = g_and_beta(layer, a_log, dt_bias, alpha, beta)
+        return q, k, v, gate, g, beta
+
+    return run
+
+
+def region_bytes(batch, seq, hv) -> dict:
+    """The byte floor: forward reads qkv, beta, alpha and writes q, k (repeated), v, g (fp32),
+    beta; backward reads them again with the five output gradients and writes the gradient of
+    qkv, beta and alpha (the gate's slice is the output norm's)."""
+    tokens, hk = batch * seq, hv // 2
+    read = tokens * (2 * hk * DK + hv * DV + 2 * hv) * 2
+    outputs = tokens * (2 * hv * DK + hv * DV + hv) * 2 + tokens * hv * 4
+    return {"forward": read + outputs, "forward_backward": 3 * read + 2 * outputs}
+
+
+def timed(fn, inputs, hv, backward: bool) -> float:
+    qkvzba, weight, a_log, dt_bias = inputs
+    leaves = [t.detach().requires_grad_(backward) for t in (qkvzba, weight, a_log, dt_bias)]
+    grads = None
+    if backward:
+        outs = fn(*leaves, hv)
+        grads = [torch.randn_like(o) for o in outs if o.requires_grad]
+
+    def step():
+        outs = fn(*leaves, hv)
+        if backward:
+            used = [o for o in outs if o.requires_grad]
+            return torch.autograd.grad(used, leaves, grads[:len(used)], allow_unused=True)
+        return outs
+
+    return bench_graph(step)
+
+
+def _ulps(a, b):
+    ai = a.view(torch.int16).int() if a.dtype == torch.bfloat16 else a.view(torch.int32).long()
+    bi = b.view(torch.int16).int() if b.dtype == torch.bfloat16 else b.view(torch.int32).long()
+    return (ai - bi).abs().max().item()
+
+
+def parity(batch, seq, hv) -> dict:
+    """Ours against megatron's eager steps, forward bits and gradients against float64."""
+    inputs = region_inputs(batch, seq, hv, seed=1)
+    eager = megatron_steps(eager=True)
+    result = {}
+    leaves = {}
+    outs = {}
+    for name, fn in (("ours", ours), ("megatron", eager)):
+        leaves[name] = [t.detach().clone().requires_grad_(True) for t in inputs]
+        outs[name] = fn(*leaves[name], hv)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    grads = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs["ours"]]
+    for name, o_ours, o_ref in zip(("q", "k", "v", "gate", "g", "beta"), outs["ours"],
+                                   outs["megatron"]):
+        result[name] = {"bitwise": (o_ours == o_ref).float().mean().item(),
+                        "max_ulps": _ulps(o_ours.contiguous(), o_ref.contiguous())}
+    f64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref64 = unfused_pre_gated_delta_rule(f64[0], f64[1], None, f64[2], f64[3], **heads(hv),
+                                         conv_rounding="once")
+    for name in ("ours", "megatron"):
+        torch.autograd.backward(outs[name], grads)
+    torch.autograd.backward(ref64, [g.double() for g in grads])
+    for i, name in enumerate(("dqkvzba", "dconv_weight", "dA_log", "ddt_bias")):
+        exact = f64[i].grad
+        err = {impl: ((leaves[impl][i].grad.double() - exact).norm() / exact.norm()).item()
+               for impl in ("ours", "megatron")}
+        result[name] = {"rel_error_ours": err["ours"], "rel_error_megatron": err["megatron"]}
+    return result
+
+
+def run(shapes, out_dir: str, with_parity: bool) -> dict:
+    ceiling = copy_ceiling()
+    results = {"env": environment(), "copy_ceiling": ceiling, "rows": [], "parity": {}}
+    impls = {"ours": ours, "megatron": megatron_steps(eager=False)}
+    for batch, seq, hv in shapes:
+        inputs = region_inputs(batch, seq, hv)
+        floor = {k: v / (ceiling["GBps"] * 1e3) for k, v in region_bytes(batch, seq, hv).items()}
+        row = {"batch": batch, "seq": seq, "value_heads": hv, "floor_us": floor}
+        for name, fn in impls.items():
+            row[name] = {"forward_us": timed(fn, inputs, hv, False),
+                         "forward_backward_us": timed(fn, inputs, hv, True)}
+        row["speedup_fwd_bwd"] = (row["megatron"]["forward_backward_us"]
+                                  / row["ours"]["forward_backward_us"])
+        row["ours_pct_of_floor"] = (100 * floor["forward_backward"]
+                                    / row["ours"]["forward_backward_us"])
+        results["rows"].append(row)
+        log(row)
+        del inputs
+    if with_parity:
+        for hv in (32, 4):
+            results["parity"][f"1x4096x{hv}"] = parity(1, 4096, hv)
+    write_json(results, out_dir, "pre_gdr_benchmark.json")
+    log(f"{'B x S x Hv':>14} {'ours f':>8} {'meg f':>8} {'ours fb':>8} {'meg fb':>8} "
+        f"{'floor fb':>8} {'x':>5} {'%floor':>6}")
+    for r in results["rows"]:
+        log(f"{r['batch']:>3} x{r['seq']:>5} x{r['value_heads']:>3} "
+            f"{r['ours']['forward_us']:8.1f} {r['megatron']['forward_us']:8.1f} "
+            f"{r['ours']['forward_backward_us']:8.1f} {r['megatron']['forward_backward_us']:8.1f} "
+            f"{r['floor_us']['forward_backward']:8.1f} {r['speedup_fwd_bwd']:5.2f} "
+            f"{r['ours_pct_of_floor']:6.1f}")
+    for key, p in results["parity"].items():
+        log(key, {k: v for k, v in p.items()})
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/benchmark", help="folder for the JSON")
+    parser.add_argument("--quick", action="store_true", help="S = 4096, B = 1 only")
+    parser.add_argument("--parity", action="store_true", help="also the parity report")
+    args = parser.parse_args(argv)
+    require_cuda("pre_gdr_benchmark.py")
+    run(QUICK_SHAPES if args.quick else SHAPES, args.out, args.parity)
+
+
+if __name__ == "__main__":
+    main()

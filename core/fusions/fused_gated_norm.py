@@ -112,9 +112,11 @@ def backward_impl(
 
 
 # The Function's non-tensor arguments travel as one tuple, (eps, zero_centered, out_layout,
-# gate_activation, weight_grad_scale, checked): every argument of torch.autograd.Function.apply
-# costs host time on every call.
-Options = tuple[float, bool, str, str, float, Optional[int]]
+# gate_activation, weight_grad_scale, checked, dgate_sink): every argument of
+# torch.autograd.Function.apply costs host time on every call. ``dgate_sink``: None, or an
+# object whose ``gate_gradient()`` returns where dgate is to be written (the gate's slice of
+# the fused pre-recurrence region's gradient buffer, core.fusions.fused_pre_gated_delta_rule).
+Options = tuple[float, bool, str, str, float, Optional[int], Optional[object]]
 
 
 class _FusedGatedNorm(torch.autograd.Function):
@@ -129,7 +131,7 @@ class _FusedGatedNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, weight, options: Options):
-        eps, zero_centered, out_layout, gate_activation, _, checked = options
+        eps, zero_centered, out_layout, gate_activation, _, checked, _ = options
         buffer, rstd = forward_buffer(x, gate, weight, eps, zero_centered, out_layout,
                                       gate_activation, checked)
         ctx.save_for_backward(x, gate, weight, rstd)
@@ -157,9 +159,10 @@ def _once_differentiable_gradients(ctx, dbuffer):
 def _gradients(ctx, dbuffer) -> tuple:
     """``(dx, dgate, dweight)`` from the output buffer's gradient (its dy new to the checks)."""
     x, gate, weight, rstd = ctx.saved_tensors
-    _, zero_centered, out_layout, gate_activation, weight_grad_scale, _ = ctx.options
+    _, zero_centered, out_layout, gate_activation, weight_grad_scale, _, sink = ctx.options
     return autograd_backward(x, gate, weight, rstd, as_bshd(dbuffer, out_layout), zero_centered,
-                             gate_activation, weight_grad_scale)
+                             gate_activation, weight_grad_scale,
+                             None if sink is None else sink.gate_gradient())
 
 
 def fused_gated_norm(
@@ -212,7 +215,7 @@ def fused_gated_norm(
 
 
 def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, gate_activation,
-                               weight_grad_scale=1.0, checked=None):
+                               weight_grad_scale=1.0, checked=None, dgate_sink=None):
     """``fused_gated_norm`` without its checks, for a caller that has just run them:
     ``checked`` is what ``validate_gated_norm`` returned for these inputs (the launch plan is
     kept under it; None builds it for this call alone). Picks the eager autograd Function or,
@@ -227,7 +230,7 @@ def apply_validated_gated_norm(x, gate, weight, eps, zero_centered, out_layout, 
                                       or weight.requires_grad):
         buffer = _FusedGatedNorm.apply(x, gate, weight, (
             float(eps), zero_centered, out_layout, gate_activation, float(weight_grad_scale),
-            checked))
+            checked, dgate_sink))
     else:  # nothing to differentiate (inference, a recompute's first forward): no rstd, no ctx
         buffer, _ = forward_buffer(x, gate, weight, float(eps), zero_centered, out_layout,
                                    gate_activation, checked, store_rstd=False)

@@ -246,7 +246,7 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     hk, hv = shape.key_heads, shape.value_heads
     dtype, device = qkvzba.dtype, qkvzba.device
     if dqkvzba is None:
-        dqkvzba = torch.empty_like(qkvzba)
+        dqkvzba = gradient_buffer(qkvzba)
     launch = launch_for(shape)
     heads_blocks = triton.cdiv(seq, launch.forward_tokens)
     conv_blocks = triton.cdiv(seq, launch.conv_tokens)
@@ -286,6 +286,51 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     return dqkvzba, dweight, dbias, da_log, ddt_bias
 
 
+def gradient_buffer(qkvzba: torch.Tensor) -> torch.Tensor:
+    """A new tensor for qkvzba's gradient: laid out as in_proj's [S, B, W] output when qkvzba is
+    its bshd transpose (in_proj's backward then reads it contiguous), else contiguous."""
+    return _new_buffer(qkvzba.shape, qkvzba.dtype, qkvzba.device,
+                       qkvzba.transpose(0, 1).is_contiguous())
+
+
+def _new_buffer(size, dtype, device, sbhd: bool) -> torch.Tensor:
+    if sbhd:
+        batch, seq, width = size
+        return torch.empty(seq, batch, width, dtype=dtype, device=device).transpose(0, 1)
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+class GateGradientSink:
+    """The in_proj output's gradient buffer, shared by two backwards: with the fused output norm
+    on, its backward (which runs first) writes dgate into the gate's slice
+    (``gate_gradient()``), and the region's backward writes the rest into the same buffer
+    (``take()``) instead of copying dgate in. Pass a new one to each
+    ``fused_pre_gated_delta_rule`` call and to the output norm of the same forward."""
+
+    __slots__ = ("_layout", "_shape", "buffer")
+
+    def __init__(self):
+        self._layout = self._shape = self.buffer = None
+
+    def bind(self, qkvzba: torch.Tensor, shape: RegionShape) -> None:
+        """Keep qkvzba's layout (not its memory) and the region's sizes."""
+        self._layout = (qkvzba.shape, qkvzba.dtype, qkvzba.device,
+                        qkvzba.transpose(0, 1).is_contiguous())
+        self._shape = shape
+
+    def gate_gradient(self) -> torch.Tensor:
+        """The [B, S, Hv, Dv] view of the buffer's gate slice (the buffer made on first use)."""
+        if self.buffer is None:
+            self.buffer = _new_buffer(*self._layout)
+        batch, seq, _ = self.buffer.shape
+        return self.buffer[..., self._shape.gate_slice].view(
+            batch, seq, self._shape.value_heads, self._shape.value_dim)
+
+    def take(self) -> Optional[torch.Tensor]:
+        buffer, self.buffer = self.buffer, None
+        return buffer
+
+
 def _contiguous_grad(grad, shape, dtype, device):
     """An output's gradient as the kernels read it (contiguous); zeros for an unused output."""
     if grad is None:
@@ -296,7 +341,7 @@ def _contiguous_grad(grad, shape, dtype, device):
 class _FusedPreGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape, seq_start,
-                use_qk_l2norm, conv_rounding, eps):
+                use_qk_l2norm, conv_rounding, eps, dgate_sink):
         q, k, v, g, beta = forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
                                         seq_start, use_qk_l2norm, conv_rounding, eps)
         batch, seq, _ = qkvzba.shape
@@ -304,6 +349,9 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
                                                    shape.value_dim)
         ctx.save_for_backward(qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start)
         ctx.options = (shape, use_qk_l2norm, conv_rounding, eps)
+        ctx.dgate_sink = dgate_sink
+        if dgate_sink is not None:
+            dgate_sink.bind(qkvzba, shape)
         return q, k, v, gate, g, beta
 
     @staticmethod
@@ -311,11 +359,14 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
         qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start = ctx.saved_tensors
         shape, use_qk_l2norm, conv_rounding, eps = ctx.options
         batch, seq, _ = qkvzba.shape
-        dqkvzba = torch.empty_like(qkvzba)
+        sink = ctx.dgate_sink
+        dqkvzba = None if sink is None else sink.take()
+        if dqkvzba is None:
+            dqkvzba = gradient_buffer(qkvzba)
         gate_grad = dqkvzba[..., shape.gate_slice]
         if dgate is None:
             gate_grad.zero_()
-        else:
+        elif not _is_view_of(dgate, gate_grad):  # the output norm wrote it there: no copy
             gate_grad.copy_(dgate.reshape(batch, seq, -1))
         dtype, device, hv = qkvzba.dtype, qkvzba.device, shape.value_heads
         qk_shape = (batch, seq, hv, shape.key_dim)
@@ -327,13 +378,21 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
             _contiguous_grad(dg, (batch, seq, hv), torch.float32, device),
             _contiguous_grad(dbeta, (batch, seq, hv), dtype, device),
             seq_start, use_qk_l2norm, conv_rounding, eps, dqkvzba=dqkvzba)
-        return dqkvzba, dweight, dbias, da_log, ddt_bias, None, None, None, None, None
+        return dqkvzba, dweight, dbias, da_log, ddt_bias, None, None, None, None, None, None
+
+
+def _is_view_of(grad: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether ``grad`` ([B, S, H, D]) is the memory of ``slot`` ([B, S, H * D]) already."""
+    batch, seq, heads, dim = grad.shape
+    return (grad.data_ptr() == slot.data_ptr() and grad.stride()[:2] == slot.stride()[:2]
+            and (heads == 1 or grad.stride(2) == dim) and (dim == 1 or grad.stride(3) == 1))
 
 
 def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *,
                                num_key_heads: int, key_head_dim: int, num_value_heads: int,
                                value_head_dim: int, cu_seqlens=None, use_qk_l2norm: bool = True,
-                               conv_rounding: str = "once", eps: float = 1e-6):
+                               conv_rounding: str = "once", eps: float = 1e-6,
+                               dgate_sink: Optional[GateGradientSink] = None):
     """The region from the in_proj output to the recurrence's inputs, forward and backward.
 
     ``qkvzba``: [B, S, W] (bshd; any batch / sequence strides, unit last stride), W = q, k
@@ -343,9 +402,16 @@ def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
     ``cu_seqlens``: packed sequences (B = 1): the convolution never reads across a boundary.
     ``conv_rounding``: "once" (FLA's causal_conv1d) or "twice" (torch's conv1d then SiLU).
 
+    ``dgate_sink``: a new :class:`GateGradientSink`, also given to the output norm that takes
+    ``gate`` (``fused_gated_norm``'s eager path), so that its backward writes the gate's gradient
+    into this region's gradient buffer; None: the gate's gradient is copied in.
+
     Returns q, k ([B, S, num_value_heads, key_head_dim], contiguous; value head j reads key
     head j // (num_value_heads // num_key_heads)), v ([B, S, Hv, Dv], contiguous), gate (a
     [B, S, Hv, Dv] view of qkvzba), g (fp32) and beta ([B, S, Hv])."""
+    if dgate_sink is not None and not isinstance(dgate_sink, GateGradientSink):
+        raise TypeError(f"{ENTRY}: dgate_sink must be None or a GateGradientSink, got "
+                        f"{type(dgate_sink).__name__}")
     shape = check_pre_gated_delta_rule(
         qkvzba, conv_weight, conv_bias, A_log, dt_bias, num_key_heads=num_key_heads,
         key_head_dim=key_head_dim, num_value_heads=num_value_heads,
@@ -353,4 +419,5 @@ def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
         conv_rounding=conv_rounding, eps=eps)
     seq_start = sequence_starts(cu_seqlens, qkvzba.shape[1], qkvzba.device)
     return _FusedPreGatedDeltaRule.apply(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
-                                         seq_start, use_qk_l2norm, conv_rounding, float(eps))
+                                         seq_start, use_qk_l2norm, conv_rounding, float(eps),
+                                         dgate_sink)

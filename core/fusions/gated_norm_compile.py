@@ -13,6 +13,8 @@ buffer; the [B, S, H, D] view is taken outside (``apply_validated_gated_norm``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from core.fusions.gated_norm_checks import check_backward_inputs, check_gated_norm_inputs
@@ -40,19 +42,27 @@ def _(x, gate, weight, eps, zero_centered, out_layout, gate_activation, weight_g
 def autograd_backward(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     dy: torch.Tensor, zero_centered: bool, gate_activation: str, weight_grad_scale: float,
+    dgate_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dgate, dweight)`` for the gradient autograd hands the forward's output, in the
     eager Function (fused_gated_norm.py) and in ``gated_norm_bwd_op`` alike. Everything but the
     backward's own tensors passed the forward's station; those go through
     ``check_backward_inputs``. dy is read in place, whatever strides autograd hands it (the
-    expanded gradient of ``sum()`` has only zero ones)."""
+    expanded gradient of ``sum()`` has only zero ones). ``dgate_out``: where dgate is written
+    (the eager Function's gate-gradient sink; the gate's shape and dtype), else a new tensor."""
     checked = check_backward_inputs(x, gate, weight, rstd, dy, weight_grad_scale)
     return run_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation,
-                        weight_grad_scale, checked)
+                        weight_grad_scale, checked, dgate_out=dgate_out)
 
 
-gated_norm_bwd_op = torch.library.custom_op("gdn_fusions::gated_norm_bwd",
-                                            mutates_args=())(autograd_backward)
+@torch.library.custom_op("gdn_fusions::gated_norm_bwd", mutates_args=())
+def gated_norm_bwd_op(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+    dy: torch.Tensor, zero_centered: bool, gate_activation: str, weight_grad_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``autograd_backward`` into new tensors (an op's outputs may not alias its inputs)."""
+    return autograd_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation,
+                             weight_grad_scale)
 
 
 @gated_norm_bwd_op.register_fake

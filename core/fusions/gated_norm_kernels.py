@@ -279,9 +279,11 @@ def gated_norm_fwd(
 def gated_norm_bwd(
     x, gate, weight, rstd, dy, dx, dgate, dw_partial,
     ROWS, HEADS: tl.constexpr, D: tl.constexpr, SEQUENCE,
-    X_STRIDES, GATE_STRIDES, DY_STRIDES,
+    X_STRIDES, GATE_STRIDES, DY_STRIDES, DGATE_STRIDES,
     X_FLAT_TOKENS: tl.constexpr, GATE_FLAT_TOKENS: tl.constexpr, DY_FLAT_TOKENS: tl.constexpr,
+    DGATE_FLAT_TOKENS: tl.constexpr,
     X_DENSE: tl.constexpr, GATE_DENSE: tl.constexpr, DY_DENSE: tl.constexpr,
+    DGATE_DENSE: tl.constexpr, DGATE_STRIDED: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
     NORM_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr = "silu", STAGES: tl.constexpr = 1,
     EARLY_DEPENDENTS: tl.constexpr = False,
@@ -296,8 +298,9 @@ def gated_norm_bwd(
 
     Reproduces the unfused autograd's roundings: the norm output's gradient is rounded to
     NORM_DTYPE before the norm backward, and dgate uses the rounded norm output.
-    dx and dgate are written contiguous ``[ROWS, D]``, each in its input's dtype (dgate in
-    fp32 for an fp32 gate); dy is read in place."""
+    dx is written contiguous ``[ROWS, D]``, dgate too unless DGATE_STRIDED (then through its
+    DGATE_STRIDES: the gate's slice of a caller's gradient buffer), each in its input's dtype
+    (dgate in fp32 for an fp32 gate); dy is read in place."""
     if EARLY_DEPENDENTS:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -333,8 +336,12 @@ def gated_norm_bwd(
         DX_DTYPE: tl.constexpr = dx.dtype.element_ty
         DG_DTYPE: tl.constexpr = dgate.dtype.element_ty
         tl.store((dx + block_start) + tile, _round_to(dx_v, DX_DTYPE).to(DX_DTYPE), mask=mask)
-        tl.store((dgate + block_start) + tile, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE),
-                 mask=mask)
+        if DGATE_STRIDED:
+            dg_ptrs = _row_pointers(dgate, row0, rows, cols, SEQUENCE, HEADS, D, DGATE_STRIDES,
+                                    DGATE_FLAT_TOKENS, DGATE_DENSE)
+        else:
+            dg_ptrs = (dgate + block_start) + tile
+        tl.store(dg_ptrs, _round_to(dgate_v, DG_DTYPE).to(DG_DTYPE), mask=mask)
     tl.store(dw_partial + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 

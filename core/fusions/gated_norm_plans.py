@@ -138,9 +138,10 @@ def forward_plan(x, gate, weight, out, eps, zero_centered, gate_activation, stor
 
 def backward_plan(x, gate, weight, rstd, dy, zero_centered, gate_activation, weight_grad_scale,
                   bt=None, warps=None, programs=None, stages=None,
-                  dw_sum_pdl=None) -> BackwardPlan:
+                  dw_sum_pdl=None, dgate_out=None) -> BackwardPlan:
     """The launches of ``gated_norm_bwd`` and ``gated_norm_dw_sum`` for these tensors and
-    options; ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl`` override the heuristics."""
+    options; ``bt``/``warps``/``programs``/``stages``/``dw_sum_pdl`` override the heuristics.
+    ``dgate_out``: where dgate goes, through its strides (None: a new contiguous tensor)."""
     if INTERPRETER_LOOP_PROBLEM:
         raise RuntimeError(f"backward_impl: {INTERPRETER_LOOP_PROBLEM}")
     batch, seq, heads, dim = x.shape
@@ -153,11 +154,17 @@ def backward_plan(x, gate, weight, rstd, dy, zero_centered, gate_activation, wei
     programs = min(programs, blocks) if programs else backward_programs(cfg, blocks)
     (x_strides, x_flat, x_dense), (g_strides, g_flat, g_dense), (d_strides, d_flat, d_dense) = (
         layout(x, bt), layout(gate, bt), layout(dy, bt))
+    # the strides of a contiguous dgate never reach the kernel (DGATE_STRIDED False)
+    dg_strides, dg_flat, dg_dense = ((0, 0, 0, 1), True, True) if dgate_out is None else (
+        layout(dgate_out, bt))
     args = BackwardArgs(
         ROWS=rows, HEADS=heads, D=dim, SEQUENCE=seq,
         X_STRIDES=x_strides, GATE_STRIDES=g_strides, DY_STRIDES=d_strides,
+        DGATE_STRIDES=dg_strides,
         X_FLAT_TOKENS=x_flat, GATE_FLAT_TOKENS=g_flat, DY_FLAT_TOKENS=d_flat,
+        DGATE_FLAT_TOKENS=dg_flat,
         X_DENSE=x_dense, GATE_DENSE=g_dense, DY_DENSE=d_dense,
+        DGATE_DENSE=dg_dense, DGATE_STRIDED=dgate_out is not None,
         ZERO_CENTERED=zero_centered, BT=bt, BLOCK_D=cfg.block_d,
         NORM_DTYPE=norm_dtype(x.dtype, weight.dtype), ACTIVATION=gate_activation,
         STAGES=stages or cfg.stages, EARLY_DEPENDENTS=cfg.dw_sum_pdl)
@@ -239,22 +246,28 @@ def as_bshd(buffer: torch.Tensor, out_layout: str) -> torch.Tensor:
 
 def run_backward(x, gate, weight, rstd, dy, zero_centered, gate_activation, weight_grad_scale,
                  checked, bt=None, warps=None, programs=None, stages=None,
-                 dw_sum_pdl=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 dw_sum_pdl=None, dgate_out=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``gated_norm_bwd`` and ``gated_norm_dw_sum``; returns ``(dx, dgate, dweight)``,
-    dx and dgate contiguous in x's and the gate's dtype. dy is read in place (any strides)."""
+    dx and dgate contiguous in x's and the gate's dtype. dy is read in place (any strides).
+    ``dgate_out`` (the gate's shape and dtype, elements apart): dgate is written there instead,
+    through its strides, and returned."""
     batch, seq, heads, dim = x.shape
     if batch * seq * heads == 0 or dim == 0:  # no row contributes: dW is zero at any scale
         return (torch.empty_like(x, memory_format=torch.contiguous_format),
-                torch.empty_like(gate, memory_format=torch.contiguous_format),
+                torch.empty_like(gate, memory_format=torch.contiguous_format)
+                if dgate_out is None else dgate_out,
                 torch.zeros_like(weight))
-    key = (checked, zero_centered, gate_activation, bt, warps, programs, stages, dw_sum_pdl)
+    key = (checked, zero_centered, gate_activation, bt, warps, programs, stages, dw_sum_pdl,
+           None if dgate_out is None else dgate_out.stride())
     plan = _launch_plans.get(key)
     if plan is None:
         plan = _keep(key, backward_plan(x, gate, weight, rstd, dy, zero_centered, gate_activation,
                                         weight_grad_scale, bt, warps, programs, stages,
-                                        dw_sum_pdl))
+                                        dw_sum_pdl, dgate_out))
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    dgate = (torch.empty_like(gate, memory_format=torch.contiguous_format) if dgate_out is None
+             else dgate_out)
     dw_partial = torch.empty_like(plan.dw_partials)
     launch_backward.launch(plan.grid, (x, gate, weight, rstd, dy, dx, dgate, dw_partial),
                            plan.launch, plan.device)

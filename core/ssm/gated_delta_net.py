@@ -98,6 +98,11 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
     norm has one), the factor the backward applies to its gradient: ``tp_size`` where this class
     completes the TP reduction, else 1.0. ``out_norm_weight_grad_scale`` is the weight's."""
 
+    # The fused pre-recurrence region's gradient buffer, set for the span of one forward's
+    # output-norm call (core.ssm.pre_gated_delta_rule_forward): the fused output norm's backward
+    # writes the gate's gradient into it.
+    dgate_sink = None
+
     def __init__(self, config, submodules, *args, fused_gated_norm: Optional[bool] = None,
                  pre_gated_delta_rule_fusion: Optional[bool] = None, **kwargs):
         # configs of other classes may carry the fields as attributes, or have none
@@ -219,6 +224,7 @@ class GatedDeltaNet(_MegatronGatedDeltaNet):
             activation,
             weight_grad_scale=scale,
             checked=checked,
+            dgate_sink=self.dgate_sink,
         )
         return self._run_out_norm_forward_hooks(args, out) if hooked else out
 

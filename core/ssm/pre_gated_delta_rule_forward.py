@@ -22,7 +22,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.utils import deprecate_inference_params, nvtx_range_pop, nvtx_range_push
 
-from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule
+from core.fusions.fused_pre_gated_delta_rule import GateGradientSink, fused_pre_gated_delta_rule
 from core.ssm.megatron_gdn_import import import_megatron_gdn
 from core.ssm.private_names import PrivateName
 
@@ -127,6 +127,10 @@ def forward(layer, hidden_states, attention_mask, inference_context=None,
     a_log = _gdn.get_parameter_local_cp(layer.A_log, dim=0, cp_group=cp_group)
     dt_bias = _gdn.get_parameter_local_cp(layer.dt_bias, dim=0, cp_group=cp_group)
 
+    # With the fused output norm computed in this call (not recomputed later), its backward
+    # writes the gate's gradient straight into the region's gradient buffer.
+    sink = (GateGradientSink() if layer.fused_gated_norm and not layer.recompute_norm_out
+            else None)
     nvtx_range_push(suffix="pre_gated_delta_rule")
     query, key, value, gate, g, beta = fused_pre_gated_delta_rule(
         qkvzba.transpose(0, 1), conv_weight, conv_bias, a_log, dt_bias,
@@ -134,7 +138,7 @@ def forward(layer, hidden_states, attention_mask, inference_context=None,
         key_head_dim=layer.key_head_dim,
         num_value_heads=layer.num_v_heads_local_tp // layer.cp_size,
         value_head_dim=layer.value_head_dim, cu_seqlens=cu_seqlens_q,
-        use_qk_l2norm=layer.use_qk_l2norm, conv_rounding=conv_rounding)
+        use_qk_l2norm=layer.use_qk_l2norm, conv_rounding=conv_rounding, dgate_sink=sink)
     nvtx_range_pop(suffix="pre_gated_delta_rule")
     seq_len = query.shape[1]
 
@@ -150,8 +154,12 @@ def forward(layer, hidden_states, attention_mask, inference_context=None,
                             batch=batch, seq_len=seq_len, packed_seq_params=packed_seq_params)
         norm_out = layer.norm_out_checkpoint.checkpoint(norm_func, core_attn_out, gate)
     else:
-        norm_out = layer._gated_norm_and_a2a(core_attn_out, gate, thd_cp_a2a_inv, batch,
-                                             seq_len, packed_seq_params)
+        layer.dgate_sink = sink  # read by the fused output norm of this call only
+        try:
+            norm_out = layer._gated_norm_and_a2a(core_attn_out, gate, thd_cp_a2a_inv, batch,
+                                                 seq_len, packed_seq_params)
+        finally:
+            layer.dgate_sink = None
 
     nvtx_range_push(suffix="out_proj")
     out, out_bias = layer.out_proj(norm_out)

@@ -180,3 +180,19 @@ def test_fused_layer_uses_silu_conv_config():
     with pytest.raises(ValueError, match="silu"):
         build_gdn_layer(gdn_config(params_dtype=torch.float32, activation_func=F.gelu,
                                    gdn_pre_gated_delta_rule_fusion=True))
+
+
+def test_both_flags_write_the_gate_gradient_in_place(monkeypatch):
+    """With both fusions on, the output norm's backward writes dgate into the region's gradient
+    buffer: the region's backward copies nothing into it."""
+    from core.fusions import fused_pre_gated_delta_rule as region
+
+    _, fused = _layers(torch.float32, fused_gated_norm=True)
+    x, dy = layer_inputs(SEQ, BATCH, HIDDEN, torch.float32, seed=7)
+    views = []
+    original = region._is_view_of
+    monkeypatch.setattr(region, "_is_view_of",
+                        lambda grad, slot: views.append(original(grad, slot)) or views[-1])
+    _run(fused, x, dy)
+    assert views == [True]
+    assert fused.self_attention.dgate_sink is None

@@ -418,6 +418,16 @@ def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
         value_head_dim=value_head_dim, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
         conv_rounding=conv_rounding, eps=eps)
     seq_start = sequence_starts(cu_seqlens, qkvzba.shape[1], qkvzba.device)
+    if torch.compiler.is_compiling():  # custom ops, opaque to the compiler; no sink there
+        from core.fusions.pre_gated_delta_rule_compile import pre_gdr_fwd_op
+
+        q, k, v, g, beta = pre_gdr_fwd_op(qkvzba, conv_weight, conv_bias, A_log, dt_bias,
+                                          seq_start, list(shape[:4]), use_qk_l2norm,
+                                          conv_rounding, float(eps))
+        batch, seq, _ = qkvzba.shape
+        gate = qkvzba[..., shape.gate_slice].view(batch, seq, shape.value_heads,
+                                                   shape.value_dim)
+        return q, k, v, gate, g, beta
     return _FusedPreGatedDeltaRule.apply(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
                                          seq_start, use_qk_l2norm, conv_rounding, float(eps),
                                          dgate_sink)

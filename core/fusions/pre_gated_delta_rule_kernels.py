@@ -119,6 +119,70 @@ def _sequence_start(seq_start, rows, row_mask, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stride_c, w_stride_k, HV: tl.constexpr, DK: tl.constexpr, K: tl.constexpr,
+                  R: tl.constexpr, BDK: tl.constexpr, EPS: tl.constexpr,
+                  USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    """q or k of key head ``kh`` (conv channels from ``head * DK``), stored for its R value
+    heads."""
+    DTYPE: tl.constexpr = out.dtype.element_ty
+    d = tl.arange(0, BDK)
+    d_mask = d < DK
+    pre = _conv_pre(x_b, t, start, head * DK + d, d_mask, w, w_stride_c, w_stride_k, bias, ss,
+                    K, HAS_BIAS)
+    y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+    if USE_QK_L2NORM:
+        rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)  # FLA's l2norm
+        y = _round_to(y * rstd[:, None], DTYPE)
+    m = t_mask[:, None] & d_mask[None, :]
+    for i in tl.static_range(R):
+        tl.store(out + (tok * HV + kh * R + i) * DK + d[None, :], y.to(DTYPE), mask=m)
+
+
+@triton.jit
+def _fwd_value_head(x_b, w, bias, v, t, t_mask, tok, start, vh, ss, w_stride_c, w_stride_k,
+                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    K: tl.constexpr, BDV: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    DTYPE: tl.constexpr = v.dtype.element_ty
+    d = tl.arange(0, BDV)
+    d_mask = d < DV
+    pre = _conv_pre(x_b, t, start, 2 * HK * DK + vh * DV + d, d_mask, w, w_stride_c, w_stride_k,
+                    bias, ss, K, HAS_BIAS)
+    y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+    tl.store(v + (tok * HV + vh) * DV + d[None, :], y.to(DTYPE),
+             mask=t_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK: tl.constexpr, HV: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr):
+    """beta_in, alpha + dt_bias and round_P(exp(A_log)) of every value head (fp32), the mask."""
+    h = tl.arange(0, BH)
+    h_mask = h < HV
+    m = t_mask[:, None] & h_mask[None, :]
+    rows = x_b + t.to(tl.int64)[:, None] * ss + (2 * HK * DK + 2 * HV * DV)
+    beta_in = tl.load(rows + h[None, :], mask=m, other=0.0).to(tl.float32)
+    alpha = tl.load(rows + HV + h[None, :], mask=m, other=0.0).to(tl.float32)
+    P_DTYPE: tl.constexpr = a_log.dtype.element_ty
+    a = _round_to(_exact_exp(tl.load(a_log + h, mask=h_mask, other=0.0).to(tl.float32)),
+                  P_DTYPE)
+    z = alpha + tl.load(dt_bias + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+    return beta_in, z, a, h, h_mask, m
+
+
+@triton.jit
+def _fwd_decay(x_b, a_log, dt_bias, g, beta, t, t_mask, tok, ss, HK: tl.constexpr,
+               HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr):
+    DTYPE: tl.constexpr = beta.dtype.element_ty
+    beta_in, z, a, h, h_mask, m = _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK, HV, DK,
+                                                DV, BH)
+    out_off = tok * HV + h[None, :]
+    tl.store(g + out_off, -a[None, :] * _softplus(z), mask=m)
+    tl.store(beta + out_off, _round_to(_exact_sigmoid(beta_in), DTYPE).to(DTYPE), mask=m)
+
+
+@triton.jit
 def pre_gdr_fwd(
     x, w, bias, a_log, dt_bias, seq_start, q, k, v, g, beta,
     S, sb, ss, w_stride_c, w_stride_k,
@@ -133,55 +197,70 @@ def pre_gdr_fwd(
     t, t_mask = _token_rows(tl.program_id(1), S, BT)
     b = tl.program_id(2).to(tl.int64)
     x_b = x + b * sb
-    DTYPE: tl.constexpr = q.dtype.element_ty
     R: tl.constexpr = HV // HK
     start = _sequence_start(seq_start, t, t_mask, VARLEN)
     tok = (b * S + t.to(tl.int64))[:, None]  # the outputs' token index
-    if head < 2 * HK:
-        d = tl.arange(0, BDK)
-        d_mask = d < DK
-        chans = head * DK + d
-        pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss, K,
-                        HAS_BIAS)
-        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-        if USE_QK_L2NORM:
-            rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)  # FLA's l2norm
-            y = _round_to(y * rstd[:, None], DTYPE)
-        m = t_mask[:, None] & d_mask[None, :]
-        if head < HK:
-            out = q
-            kh = head
-        else:
-            out = k
-            kh = head - HK
-        for i in tl.static_range(R):
-            tl.store(out + (tok * HV + kh * R + i) * DK + d[None, :], y.to(DTYPE), mask=m)
+    if head < HK:
+        _fwd_key_head(x_b, w, bias, q, t, t_mask, tok, start, head, head, ss, w_stride_c, w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM,
+                      CONV_ROUNDING, HAS_BIAS)
+    elif head < 2 * HK:
+        _fwd_key_head(x_b, w, bias, k, t, t_mask, tok, start, head, head - HK, ss, w_stride_c, w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM,
+                      CONV_ROUNDING, HAS_BIAS)
     elif head < 2 * HK + HV:
-        vh = head - 2 * HK
-        d = tl.arange(0, BDV)
-        d_mask = d < DV
-        chans = 2 * HK * DK + vh * DV + d
-        pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss, K,
-                        HAS_BIAS)
-        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-        m = t_mask[:, None] & d_mask[None, :]
-        tl.store(v + (tok * HV + vh) * DV + d[None, :], y.to(DTYPE), mask=m)
+        _fwd_value_head(x_b, w, bias, v, t, t_mask, tok, start, head - 2 * HK, ss, w_stride_c,
+                        w_stride_k, HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS)
     else:
-        h = tl.arange(0, BH)
-        h_mask = h < HV
-        m = t_mask[:, None] & h_mask[None, :]
-        rows = x_b + t.to(tl.int64)[:, None] * ss
-        base = 2 * HK * DK + 2 * HV * DV
-        beta_in = tl.load(rows + base + h[None, :], mask=m, other=0.0).to(tl.float32)
-        alpha = tl.load(rows + base + HV + h[None, :], mask=m, other=0.0).to(tl.float32)
-        P_DTYPE: tl.constexpr = a_log.dtype.element_ty
-        a = _round_to(_exact_exp(tl.load(a_log + h, mask=h_mask, other=0.0).to(tl.float32)),
-                      P_DTYPE)
-        dtb = tl.load(dt_bias + h, mask=h_mask, other=0.0).to(tl.float32)
-        g_val = -a[None, :] * _softplus(alpha + dtb[None, :])
-        out_off = tok * HV + h[None, :]
-        tl.store(g + out_off, g_val, mask=m)
-        tl.store(beta + out_off, _round_to(_exact_sigmoid(beta_in), DTYPE).to(DTYPE), mask=m)
+        _fwd_decay(x_b, a_log, dt_bias, g, beta, t, t_mask, tok, ss, HK, HV, DK, DV, BH)
+
+
+@triton.jit
+def _bwd_key_head(x_b, w, bias, grad, dact, t, t_mask, tok, start, head, kh, ss, w_stride_c,
+                  w_stride_k, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                  K: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr,
+                  EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    """dact of q/k head ``head``: the head repeat's gradient summed, then the l2norm backward."""
+    DTYPE: tl.constexpr = dact.dtype.element_ty
+    d = tl.arange(0, BDK)
+    d_mask = d < DK
+    m = t_mask[:, None] & d_mask[None, :]
+    dy = tl.zeros((BT, BDK), dtype=tl.float32)
+    for i in tl.static_range(R):
+        dy += tl.load(grad + (tok * HV + kh * R + i) * DK + d[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+    if R > 1:
+        dy = _round_to(dy, DTYPE)
+    if USE_QK_L2NORM:
+        pre = _conv_pre(x_b, t, start, head * DK + d, d_mask, w, w_stride_c, w_stride_k, bias,
+                        ss, K, HAS_BIAS)
+        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+        rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
+        y = y * rstd[:, None]
+        dy = dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None]
+    tl.store(dact + tok * (2 * HK * DK) + head * DK + d[None, :], _round_to(dy, DTYPE).to(DTYPE),
+             mask=m)
+
+
+@triton.jit
+def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx, da_partial, ddt_partial, t, t_mask, tok, b,
+               block, blocks, ss, dx_sb, dx_ss, HK: tl.constexpr, HV: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr):
+    DTYPE: tl.constexpr = dx.dtype.element_ty
+    beta_in, z, a, h, h_mask, m = _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK, HV, DK,
+                                                DV, BH)
+    grad_off = tok * HV + h[None, :]
+    dg_v = tl.load(dg + grad_off, mask=m, other=0.0).to(tl.float32)
+    dz = dg_v * -a[None, :] * _exact_sigmoid(z)  # d g / d (alpha + dt_bias)
+    sb_ = _exact_sigmoid(beta_in)
+    dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
+    dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss + (2 * HK * DK + 2 * HV * DV)
+    tl.store(dx_rows + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
+             mask=m)
+    tl.store(dx_rows + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
+    part = (b * blocks + block) * HV + h
+    # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
+    tl.store(da_partial + part, tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0), mask=h_mask)
+    tl.store(ddt_partial + part, tl.sum(tl.where(m, dz, 0.0), 0), mask=h_mask)
 
 
 @triton.jit
@@ -201,63 +280,20 @@ def pre_gdr_bwd_heads(
     t, t_mask = _token_rows(block, S, BT)
     b = tl.program_id(2).to(tl.int64)
     x_b = x + b * sb
-    DTYPE: tl.constexpr = dact.dtype.element_ty
     R: tl.constexpr = HV // HK
     tok = (b * S + t.to(tl.int64))[:, None]
-    if head < 2 * HK:
-        start = _sequence_start(seq_start, t, t_mask, VARLEN)
-        d = tl.arange(0, BDK)
-        d_mask = d < DK
-        m = t_mask[:, None] & d_mask[None, :]
-        if head < HK:
-            grad = dq
-            kh = head
-        else:
-            grad = dk
-            kh = head - HK
-        dy = tl.zeros((BT, BDK), dtype=tl.float32)
-        for i in tl.static_range(R):
-            dy += tl.load(grad + (tok * HV + kh * R + i) * DK + d[None, :], mask=m,
-                          other=0.0).to(tl.float32)
-        if R > 1:
-            dy = _round_to(dy, DTYPE)
-        if USE_QK_L2NORM:
-            chans = head * DK + d
-            pre = _conv_pre(x_b, t, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
-                            K, HAS_BIAS)
-            y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-            rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
-            y = y * rstd[:, None]
-            dy = dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None]
-        tl.store(dact + tok * (2 * HK * DK) + head * DK + d[None, :],
-                 _round_to(dy, DTYPE).to(DTYPE), mask=m)
+    start = _sequence_start(seq_start, t, t_mask, VARLEN)
+    if head < HK:
+        _bwd_key_head(x_b, w, bias, dq, dact, t, t_mask, tok, start, head, head, ss, w_stride_c,
+                      w_stride_k, HK, HV, DK, K, R, BT, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING,
+                      HAS_BIAS)
+    elif head < 2 * HK:
+        _bwd_key_head(x_b, w, bias, dk, dact, t, t_mask, tok, start, head, head - HK, ss,
+                      w_stride_c, w_stride_k, HK, HV, DK, K, R, BT, BDK, EPS, USE_QK_L2NORM,
+                      CONV_ROUNDING, HAS_BIAS)
     else:
-        h = tl.arange(0, BH)
-        h_mask = h < HV
-        m = t_mask[:, None] & h_mask[None, :]
-        rows = x_b + t.to(tl.int64)[:, None] * ss
-        base = 2 * HK * DK + 2 * HV * DV
-        beta_in = tl.load(rows + base + h[None, :], mask=m, other=0.0).to(tl.float32)
-        alpha = tl.load(rows + base + HV + h[None, :], mask=m, other=0.0).to(tl.float32)
-        P_DTYPE: tl.constexpr = a_log.dtype.element_ty
-        a = _round_to(_exact_exp(tl.load(a_log + h, mask=h_mask, other=0.0).to(tl.float32)),
-                      P_DTYPE)
-        z = alpha + tl.load(dt_bias + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
-        grad_off = tok * HV + h[None, :]
-        dg_v = tl.load(dg + grad_off, mask=m, other=0.0).to(tl.float32)
-        dsp = dg_v * -a[None, :]  # d g / d softplus
-        dz = dsp * _exact_sigmoid(z)
-        sb_ = _exact_sigmoid(beta_in)
-        dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
-        dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss + base
-        tl.store(dx_rows + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
-                 mask=m)
-        tl.store(dx_rows + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
-        part = (b * blocks + block) * HV + h
-        # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
-        tl.store(da_partial + part, tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0),
-                 mask=h_mask)
-        tl.store(ddt_partial + part, tl.sum(tl.where(m, dz, 0.0), 0), mask=h_mask)
+        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx, da_partial, ddt_partial, t, t_mask, tok,
+                   b, block, blocks, ss, dx_sb, dx_ss, HK, HV, DK, DV, BH)
 
 
 @triton.jit
@@ -283,33 +319,24 @@ def pre_gdr_bwd_conv(
     chans = cblock * BC + tl.arange(0, BC)
     c_mask = chans < C
     start = _sequence_start(seq_start, t, t_mask, VARLEN)
-    if cblock * BC < QK:
-        grad = dact + b * S * QK
-        g_stride = QK
-        g_chans = chans
-    else:
-        grad = dv + b * S * (HV * DV)
-        g_stride = HV * DV
-        g_chans = chans - QK
+    is_qk = cblock * BC < QK  # a block lies in one of dact and dv
     dxs = tl.zeros((BT, BC), dtype=tl.float32)
     for i in tl.static_range(K):
         # dpre at tokens t + i, which reach dx[t] through w[:, K - 1 - i]
         s = t + i
         s_ok = (s < S) & t_mask
-        if VARLEN:
-            s_start = tl.load(seq_start + s, mask=s_ok, other=0)
-            s_ok = s_ok & (s_start <= t)
-        else:
-            s_start = tl.zeros_like(s)
+        s_start = _sequence_start(seq_start, s, s_ok, VARLEN)
+        s_ok = s_ok & (s_start <= t)
         m = s_ok[:, None] & c_mask[None, :]
         pre = _conv_pre(x_b, s, s_start, chans, c_mask, w, w_stride_c, w_stride_k, bias, ss, K,
                         HAS_BIAS)
-        da = tl.load(grad + s.to(tl.int64)[:, None] * g_stride + g_chans[None, :], mask=m,
-                     other=0.0).to(tl.float32)
-        if CONV_ROUNDING == "twice":
-            p = _round_to(pre, DTYPE)
+        s64 = (b * S + s.to(tl.int64))[:, None]
+        if is_qk:
+            da = tl.load(dact + s64 * QK + chans[None, :], mask=m, other=0.0).to(tl.float32)
         else:
-            p = pre
+            da = tl.load(dv + s64 * (HV * DV) + (chans - QK)[None, :], mask=m,
+                         other=0.0).to(tl.float32)
+        p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
         sig = _sigmoid(p)
         dpre = tl.where(m, da * sig * (1.0 + p * (1.0 - sig)), 0.0)
         wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=c_mask, other=0.0)

@@ -93,14 +93,14 @@ def _token_rows(block, S, BT: tl.constexpr):
 
 
 @triton.jit
-def _conv_pre(x_b, rows, start, chans, chan_mask, w, w_stride_c, w_stride_k, bias, ss,
+def _conv_pre(x_b, rows, row_mask, start, chans, chan_mask, w, w_stride_c, w_stride_k, bias, ss,
               K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """pre[rows, chans] (fp32): the causal convolution over the K tokens up to each row, tokens
-    before ``start`` (the row's sequence start) read as 0."""
+    before ``start`` (the row's sequence start) read as 0; rows off ``row_mask`` read nothing."""
     pre = tl.zeros((rows.shape[0], chans.shape[0]), dtype=tl.float32)
     for j in tl.static_range(K):
         src = rows - (K - 1) + j
-        m = (src >= start)[:, None] & chan_mask[None, :]
+        m = ((src >= start) & row_mask)[:, None] & chan_mask[None, :]
         xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=m, other=0.0)
         wj = tl.load(w + chans * w_stride_c + j * w_stride_k, mask=chan_mask, other=0.0)
         pre += xv.to(tl.float32) * wj.to(tl.float32)[None, :]
@@ -119,7 +119,8 @@ def _sequence_start(seq_start, rows, row_mask, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stride_c, w_stride_k, HV: tl.constexpr, DK: tl.constexpr, K: tl.constexpr,
+def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stride_c,
+                  w_stride_k, HV: tl.constexpr, DK: tl.constexpr, K: tl.constexpr,
                   R: tl.constexpr, BDK: tl.constexpr, EPS: tl.constexpr,
                   USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
                   HAS_BIAS: tl.constexpr):
@@ -128,8 +129,8 @@ def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stri
     DTYPE: tl.constexpr = out.dtype.element_ty
     d = tl.arange(0, BDK)
     d_mask = d < DK
-    pre = _conv_pre(x_b, t, start, head * DK + d, d_mask, w, w_stride_c, w_stride_k, bias, ss,
-                    K, HAS_BIAS)
+    pre = _conv_pre(x_b, t, t_mask, start, head * DK + d, d_mask, w, w_stride_c, w_stride_k,
+                    bias, ss, K, HAS_BIAS)
     y = _conv_act(pre, DTYPE, CONV_ROUNDING)
     if USE_QK_L2NORM:
         rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)  # FLA's l2norm
@@ -147,8 +148,8 @@ def _fwd_value_head(x_b, w, bias, v, t, t_mask, tok, start, vh, ss, w_stride_c, 
     DTYPE: tl.constexpr = v.dtype.element_ty
     d = tl.arange(0, BDV)
     d_mask = d < DV
-    pre = _conv_pre(x_b, t, start, 2 * HK * DK + vh * DV + d, d_mask, w, w_stride_c, w_stride_k,
-                    bias, ss, K, HAS_BIAS)
+    pre = _conv_pre(x_b, t, t_mask, start, 2 * HK * DK + vh * DV + d, d_mask, w, w_stride_c,
+                    w_stride_k, bias, ss, K, HAS_BIAS)
     y = _conv_act(pre, DTYPE, CONV_ROUNDING)
     tl.store(v + (tok * HV + vh) * DV + d[None, :], y.to(DTYPE),
              mask=t_mask[:, None] & d_mask[None, :])
@@ -201,11 +202,11 @@ def pre_gdr_fwd(
     start = _sequence_start(seq_start, t, t_mask, VARLEN)
     tok = (b * S + t.to(tl.int64))[:, None]  # the outputs' token index
     if head < HK:
-        _fwd_key_head(x_b, w, bias, q, t, t_mask, tok, start, head, head, ss, w_stride_c, w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM,
-                      CONV_ROUNDING, HAS_BIAS)
+        _fwd_key_head(x_b, w, bias, q, t, t_mask, tok, start, head, head, ss, w_stride_c,
+                      w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS)
     elif head < 2 * HK:
-        _fwd_key_head(x_b, w, bias, k, t, t_mask, tok, start, head, head - HK, ss, w_stride_c, w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM,
-                      CONV_ROUNDING, HAS_BIAS)
+        _fwd_key_head(x_b, w, bias, k, t, t_mask, tok, start, head, head - HK, ss, w_stride_c,
+                      w_stride_k, HV, DK, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS)
     elif head < 2 * HK + HV:
         _fwd_value_head(x_b, w, bias, v, t, t_mask, tok, start, head - 2 * HK, ss, w_stride_c,
                         w_stride_k, HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS)
@@ -231,8 +232,8 @@ def _bwd_key_head(x_b, w, bias, grad, dact, t, t_mask, tok, start, head, kh, ss,
     if R > 1:
         dy = _round_to(dy, DTYPE)
     if USE_QK_L2NORM:
-        pre = _conv_pre(x_b, t, start, head * DK + d, d_mask, w, w_stride_c, w_stride_k, bias,
-                        ss, K, HAS_BIAS)
+        pre = _conv_pre(x_b, t, t_mask, start, head * DK + d, d_mask, w, w_stride_c,
+                        w_stride_k, bias, ss, K, HAS_BIAS)
         y = _conv_act(pre, DTYPE, CONV_ROUNDING)
         rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
         y = y * rstd[:, None]
@@ -328,8 +329,8 @@ def pre_gdr_bwd_conv(
         s_start = _sequence_start(seq_start, s, s_ok, VARLEN)
         s_ok = s_ok & (s_start <= t)
         m = s_ok[:, None] & c_mask[None, :]
-        pre = _conv_pre(x_b, s, s_start, chans, c_mask, w, w_stride_c, w_stride_k, bias, ss, K,
-                        HAS_BIAS)
+        pre = _conv_pre(x_b, s, s_ok, s_start, chans, c_mask, w, w_stride_c, w_stride_k, bias,
+                        ss, K, HAS_BIAS)
         s64 = (b * S + s.to(tl.int64))[:, None]
         if is_qk:
             da = tl.load(dact + s64 * QK + chans[None, :], mask=m, other=0.0).to(tl.float32)

@@ -6,14 +6,17 @@ A checkpoint is what ``megatron.core.dist_checkpointing.save`` writes from the m
 into their q/k/v/... sections per TP rank, A_log / dt_bias / out_proj sharded, out_norm
 replicated) with the default ``torch_dist`` backend; loading goes through
 ``dist_checkpointing.load`` into the ``sharded_state_dict()`` of a module of another layout.
-Nothing of the fused-norm flag or of the TP gradient handling is in the checkpoint (no buffer,
-no extra state), so a checkpoint of one flag loads under the other.
+Nothing of the fusion flags (the fused output norm, ``fused``; the fused pre-recurrence region,
+``pre_fusion``: gdn_pre_gated_delta_rule_fusion) or of the TP gradient handling is in the
+checkpoint (no buffer, no extra state), so a checkpoint of one setting loads under the other.
+A setting is a dict of :func:`build_layer`'s flags, e.g. ``dict(fused=True, pre_fusion=True)``.
 
-    reference = make_reference(path)            # TP 1 weights, input, outputs flag on and off
+    reference = make_reference(path, on, off)   # TP 1 weights, input, outputs of both settings
     save_layer(module, directory) / load_layer(module, directory)
 
-``spawn_worker`` runs one rank of the TP = 2 side: save a flag-off checkpoint from the
-reference's shard, load the TP = 1 flag-on checkpoint. On the CPU the writer needs
+``spawn_worker`` runs one rank of the TP = 2 side: save a checkpoint of the ``off`` setting from
+the reference's shard, load the TP = 1 checkpoint of the ``on`` setting. On the CPU the writer
+needs
 ``install_cpu_shims(training=True)`` (it synchronises CUDA) and ``psutil`` (it logs the
 process's memory).
 """
@@ -29,11 +32,13 @@ from core.testing.gdn_tp import TP_OVERRIDES
 SEQ, BATCH = 24, 2
 
 
-def build_layer(fused: bool, tp_size: int, seed: int):
-    """A fp32 GatedDeltaNet of the TP test's sizes (heads split over TP 1, 2, 4, 8)."""
+def build_layer(fused: bool, tp_size: int, seed: int, pre_fusion: bool = False):
+    """A fp32 GatedDeltaNet of the TP test's sizes (heads split over TP 1, 2, 4, 8); ``fused``:
+    the fused output norm, ``pre_fusion``: the fused pre-recurrence region."""
     from core.testing.gdn import build_gdn_module, gdn_config
 
     config = gdn_config(params_dtype=torch.float32, fused_gated_norm=fused,
+                        gdn_pre_gated_delta_rule_fusion=pre_fusion,
                         tensor_model_parallel_size=tp_size, **TP_OVERRIDES)
     return build_gdn_module(config, seed=seed)
 
@@ -63,41 +68,43 @@ def load_layer(module, directory: str) -> None:
     module.load_state_dict(state)
 
 
-def make_reference(path: str) -> dict:
+def make_reference(path: str, on: dict, off: dict) -> dict:
     """TP = 1 (parallel_state initialised with TP 1): weights with distinct norm weights, an
-    input and the layer output with the flag on and off; saved to ``path`` and returned."""
+    input and the layer output under the settings ``on`` and ``off`` ("out_on", "out_off");
+    saved to ``path`` and returned."""
     from core.testing.gdn import randomize_norm_weights
 
-    module = build_layer(fused=True, tp_size=1, seed=11)
+    module = build_layer(tp_size=1, seed=11, **on)
     randomize_norm_weights(module)
     state = state_of(module)
     x = torch.randn(SEQ, BATCH, module.config.hidden_size,
                     generator=torch.Generator().manual_seed(4))
-    unfused = build_layer(fused=False, tp_size=1, seed=12)
-    unfused.load_state_dict(state)
-    ref = dict(state=state, x=x, out_fused=output_of(module, x), out_unfused=output_of(unfused, x))
+    other = build_layer(tp_size=1, seed=12, **off)
+    other.load_state_dict(state)
+    ref = dict(state=state, x=x, out_on=output_of(module, x), out_off=output_of(other, x))
     torch.save(ref, path)
     return ref
 
 
-def run_rank(rank: int, tp_size: int, ref_path: str, save_dir: str, load_dir: str) -> dict:
-    """One TP rank, flag off: the reference's shard saved to ``save_dir``; a fresh module
-    (other seed) loaded from ``load_dir``. Returns the outputs and states of both."""
+def run_rank(rank: int, tp_size: int, ref_path: str, save_dir: str, load_dir: str,
+             setting: dict) -> dict:
+    """One TP rank under ``setting``: the reference's shard saved to ``save_dir``; a fresh
+    module (other seed) loaded from ``load_dir``. Returns the outputs and states of both."""
     from core.testing.gdn import shard_gdn_state_dict
 
     ref = torch.load(ref_path, weights_only=True)
-    saver = build_layer(fused=False, tp_size=tp_size, seed=21)
+    saver = build_layer(tp_size=tp_size, seed=21, **setting)
     shard = shard_gdn_state_dict(ref["state"], saver.config, rank, tp_size)
     saver.load_state_dict(shard)
     save_layer(saver, save_dir)
-    loader = build_layer(fused=False, tp_size=tp_size, seed=22)
+    loader = build_layer(tp_size=tp_size, seed=22, **setting)
     load_layer(loader, load_dir)
     return dict(shard=shard, saved_out=output_of(saver, ref["x"]),
                 loaded_state=state_of(loader), loaded_out=output_of(loader, ref["x"]))
 
 
 def spawn_worker(rank: int, tp_size: int, init_file: str, ref_path: str, save_dir: str,
-                 load_dir: str, out_dir: str) -> None:
+                 load_dir: str, out_dir: str, setting: dict) -> None:
     """torch.multiprocessing.spawn entry: gloo on the CPU."""
     from core.testing.cpu import (destroy_cpu_model_parallel, init_cpu_model_parallel,
                                   install_cpu_shims)
@@ -106,7 +113,7 @@ def spawn_worker(rank: int, tp_size: int, init_file: str, ref_path: str, save_di
     torch.set_num_threads(1)
     init_cpu_model_parallel(tp_size=tp_size, rank=rank, world_size=tp_size, init_file=init_file)
     try:
-        result = run_rank(rank, tp_size, ref_path, save_dir, load_dir)
+        result = run_rank(rank, tp_size, ref_path, save_dir, load_dir, setting)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_cpu_model_parallel()

@@ -18,6 +18,10 @@ Models (fp32, tiny; :data:`GDN_SIZES`):
     depth (over pipeline stages: the decoder split at '|' into PP x VP equal segments,
     :func:`hybrid_pattern`; the MTP depth on the last).
 
+``Layout.pre_fusion`` turns ``config.gdn_pre_gated_delta_rule_fusion`` on: every GDN layer runs
+the fused pre-recurrence region (core.ssm.pre_gated_delta_rule_forward); the reference stays the
+model without it (same weights).
+
 Every rank of a layout, for ``config.fused_gated_norm`` on and off (:func:`run_case`):
   builds the model for its coordinates and loads its shard of the reference weights; wraps it in
   megatron's ``DistributedDataParallel`` (or Megatron-FSDP's ``FullyShardedDataParallel``);
@@ -142,8 +146,13 @@ class Layout:
                                          # hybrid models)
     etp: int = 1                         # expert tensor parallelism ("gpt-moe")
     token_dispatcher: str = "alltoall"   # megatron's MoE token dispatcher ("gpt-moe")
+    pre_fusion: bool = False             # gdn_pre_gated_delta_rule_fusion: the fused region
+                                         # between in_proj and the recurrence in every GDN layer
 
     def __post_init__(self):
+        if type(self.pre_fusion) is not bool:
+            raise TypeError(f"Layout {self.name}: pre_fusion must be a bool, got "
+                            f"{type(self.pre_fusion).__name__}")
         if self.model not in MODELS:
             raise ValueError(f"Layout.model must be one of {MODELS}, got {self.model!r}")
         if self.pp > 1 and self.single_gdn:
@@ -234,7 +243,10 @@ REFERENCE = {"gdn": Layout("reference"),
 
 
 def case_key(layout: Layout, fused: bool) -> str:
-    return f"{layout.name}-{'fused' if fused else 'unfused'}"
+    """The case's name: the layout's, ``-pre-fusion`` where it runs the pre-recurrence fusion
+    (so it never names the same layout without it), then the output norm flag."""
+    pre = "-pre-fusion" if layout.pre_fusion else ""
+    return f"{layout.name}{pre}-{'fused' if fused else 'unfused'}"
 
 
 def reference_key(model: str, data: str, fused: bool) -> str:
@@ -315,6 +327,8 @@ def layout_config(layout: Layout, fused: bool):
     if layout.model == "hybrid":  # the layers come from HYBRID_PATTERN
         extra.update(experimental_attention_variant=None, linear_attention_freq=None,
                      mtp_num_layers=1)
+    if layout.pre_fusion:
+        extra.update(gdn_pre_gated_delta_rule_fusion=True)
     if layout.model == "gpt-moe":
         extra.update(MOE_SIZES, moe_token_dispatcher_type=layout.token_dispatcher,
                      expert_model_parallel_size=layout.ep,
@@ -364,7 +378,8 @@ def build_model(layout: Layout, config, seed: Optional[int] = None,
         vp_stage=vp_stage)
     if layout.model == "hybrid":
         spec = use_fused_gdn(te_to_local(hybrid_stack_spec),
-                             gated_output_norm=config.fused_gated_norm)
+                             gated_output_norm=config.fused_gated_norm,
+                             pre_gated_delta_rule=layout.pre_fusion)
         return HybridModel(config, spec, vocab_size=VOCAB,
                            max_sequence_length=SEQ, hybrid_layer_pattern=hybrid_pattern(layout),
                            **stage)
@@ -719,6 +734,8 @@ def run_case(layout: Layout, fused: bool, reference: dict, device,
         experts={name for name, p in built if is_expert(p)},
         fused_modules=[bool(getattr(m, "fused_gated_norm", False)) for chunk in chunks
                        for m in chunk.modules() if hasattr(m, "out_norm")],
+        pre_fused_modules=[bool(getattr(m, "pre_gated_delta_rule_fusion", False))
+                           for chunk in chunks for m in chunk.modules() if hasattr(m, "out_norm")],
         recompute_modules=[bool(m.recompute_norm_out) for chunk in chunks for m in chunk.modules()
                            if hasattr(m, "recompute_norm_out")],
         # the MoE layers' token dispatcher classes

@@ -4,14 +4,17 @@ sequences, PP (virtual stages too), EP (MoE MLPs), the distributed optimizer, to
 selective and full recompute, and what megatron's training loop adds around a step
 (micro-batches, overlapping grad reduce and param gather, per-token loss, fp16 loss scaling),
 flag on and off, against the same model at TP 1 / CP 1 / one stage / EP 1
-(core.testing.parallel; docs/usage.md, section "Parallel layouts and features").
+(core.testing.parallel; docs/usage.md, section "Parallel layouts and features"). The layouts of
+:data:`PRE_FUSION_WORLDS` run the fused pre-recurrence region as well
+(gdn_pre_gated_delta_rule_fusion), output norm flag on and off, against the same reference.
 
 Per layout and flag: every parameter's gradient after megatron's stock finalize_model_grads
 equals the reference gradient (sharded like the parameter) within fp32 tolerance on every rank,
 and after megatron's optimizer step every parameter is bit-identical on the ranks holding the
-same shard (the GDN out_norm weight: on every rank). Two spawns in all (2 and 4 processes), each
-running all the layouts of its size, flag on and off; one reference computation per model and
-batch, in this process.
+same shard (the GDN out_norm weight: on every rank). Four spawns in all (2 and 4 processes, for
+:data:`WORLDS` and for :data:`PRE_FUSION_WORLDS`, so that ``-k pre-fusion`` runs only the
+latter), each running all the layouts of its group, flag on and off; one reference computation
+per model and batch, in this process.
 
 On a machine with CUDA the matrix runs all the same, on the CPU: the spawned ranks and the
 reference (then spawned too) see no GPU (CUDA_VISIBLE_DEVICES="", the Triton interpreter), so
@@ -119,6 +122,32 @@ WORLDS = {
         Layout("hybrid-pp2-tp2-sp", pp=2, tp=2, sequence_parallel=True, model="hybrid"),
     ),
 }
+# The same layouts with the fused region between in_proj and the recurrence
+# (gdn_pre_gated_delta_rule_fusion): heads and conv channels split over TP, the CP all-to-all
+# with its head permutation (conv weight / bias, A_log and dt_bias read as per-rank slices),
+# packed sequences alone and with CP, pipeline stages, recompute, the distributed optimizer.
+PRE_FUSION_WORLDS = {
+    2: (
+        Layout("tp2-sp", tp=2, sequence_parallel=True, pre_fusion=True),
+        Layout("thd-tp2-sp", tp=2, sequence_parallel=True, packed=True, pre_fusion=True),
+        Layout("cp2", cp=2, pre_fusion=True),
+        Layout("thd-cp2-recompute", cp=2, packed=True, recompute=True, pre_fusion=True),
+        Layout("pp2", pp=2, model="gpt", pre_fusion=True),
+        Layout("gpt-tp2-full-recompute", tp=2, full_recompute=True, model="gpt",
+               pre_fusion=True),
+        # the hybrid model's GDN layers, its MTP depth's included
+        Layout("hybrid-pp2", pp=2, model="hybrid", pre_fusion=True),
+    ),
+    4: (
+        Layout("tp2-cp2-sp", tp=2, cp=2, sequence_parallel=True, pre_fusion=True),
+        Layout("thd-tp2-cp2-sp-recompute", tp=2, cp=2, sequence_parallel=True, packed=True,
+               recompute=True, pre_fusion=True),
+        Layout("tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True, pre_fusion=True),
+    ),
+}
+# One spawn per group: (world size, pre_fusion) -> its layouts.
+SPAWN_GROUPS = {**{(size, False): layouts for size, layouts in WORLDS.items()},
+                **{(size, True): layouts for size, layouts in PRE_FUSION_WORLDS.items()}}
 HAS_CUDA = torch.cuda.is_available()
 # The environment of the spawned processes: no GPU, so the harness takes its gloo / CPU path
 # (core.testing.parallel.init_world, core.testing.cpu's shims) on any machine.
@@ -136,7 +165,7 @@ def _spawned_processes_on_the_cpu():
         yield
 
 
-CASES = [(layout, fused) for world in WORLDS.values() for layout in world
+CASES = [(layout, fused) for group in SPAWN_GROUPS.values() for layout in group
          for fused in layout.flag_values]
 CASE_IDS = [case_key(layout, fused) for layout, fused in CASES]
 
@@ -164,22 +193,24 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worlds(reference, tmp_path_factory):
-    """``worlds(n)``: every rank's results of the n-process world (spawned once, on first use)."""
+    """``worlds(n, pre_fusion=False)``: every rank's results of that group's n-process world
+    (:data:`SPAWN_GROUPS`; spawned once, on first use)."""
     cache = {}
 
-    def results(world_size: int) -> list:
-        if world_size not in cache:
-            out = tmp_path_factory.mktemp(f"world{world_size}")
+    def results(world_size: int, pre_fusion: bool = False) -> list:
+        group = (world_size, pre_fusion)
+        if group not in cache:
+            out = tmp_path_factory.mktemp(f"world{world_size}{'-pre-fusion' * pre_fusion}")
             with _spawned_processes_on_the_cpu():
-                cache[world_size] = spawn_layouts(WORLDS[world_size], reference[0], str(out))
-        return cache[world_size]
+                cache[group] = spawn_layouts(SPAWN_GROUPS[group], reference[0], str(out))
+        return cache[group]
 
     return results
 
 
 def _records(worlds, layout: Layout, fused: bool) -> list:
     key = case_key(layout, fused)
-    records = [rank[key] for rank in worlds(layout.world_size)]
+    records = [rank[key] for rank in worlds(layout.world_size, layout.pre_fusion)]
     for rank, record in enumerate(records):
         if "error" in record:
             pytest.fail(f"{key} raised on rank {rank}:\n{record['error']}")
@@ -193,6 +224,7 @@ def test_every_gradient_matches_reference(worlds, layout, fused):
     scaled = layout.tp > 1 and not layout.sequence_parallel  # the module completes the partial
     for record in records:
         assert record["fused_modules"] and set(record["fused_modules"]) == {fused}
+        assert record["pre_fused_modules"] == [layout.pre_fusion] * len(record["fused_modules"])
         assert set(record["recompute_modules"]) == {layout.recompute}
         out_norms = {name for name in record["grads"] if name.endswith("out_norm.weight")}
         assert out_norms and (out_norms <= record["tp_avg_tagged"]) == scaled
@@ -348,6 +380,20 @@ def test_experts_are_split_over_the_expert_parallel_ranks(worlds, layout, fused)
                 for name in record["params"] if name.endswith(".linear_fc1.weight")
                 and ".local_experts." in name}
     assert fc1_rows == {MOE_SIZES["moe_ffn_hidden_size"] // layout.etp}
+
+
+def test_pre_fusion_cases_are_named_apart_and_set_the_config_field():
+    """A pre-fusion layout's case never shares a key with the same layout without the fusion
+    (every case of the matrix has its own), and its config turns the fusion on."""
+    plain = Layout("tp2-sp", tp=2, sequence_parallel=True)
+    pre = dataclasses.replace(plain, pre_fusion=True)
+    assert {case_key(pre, fused) for fused in (True, False)}.isdisjoint(
+        {case_key(plain, fused) for fused in (True, False)})
+    assert len(set(CASE_IDS)) == len(CASE_IDS)
+    assert layout_config(pre, fused=True).gdn_pre_gated_delta_rule_fusion is True
+    assert not layout_config(plain, fused=True).gdn_pre_gated_delta_rule_fusion
+    with pytest.raises(TypeError, match="pre_fusion must be a bool, got str"):
+        Layout("tp2-sp", tp=2, sequence_parallel=True, pre_fusion="true")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,10 +15,14 @@ On one GPU, what megatron's training loop adds around a step, on CUDA (the CPU m
 at TP 2 on gloo): two steps with ``overlap_param_gather``, fp16 under the dynamic loss scaler,
 the per-token loss over 2 micro-batches, DDP's ``average_in_collective``.
 
+Every layout runs a second time with the fused pre-recurrence region
+(``Layout.pre_fusion``: gdn_pre_gated_delta_rule_fusion), against the same reference.
+
 Each case checks the out_norm weight gradient after the stock finalize_model_grads against the
 TP 1 gradient, then every parameter's, then the replicas after the optimizer step.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -37,11 +41,22 @@ needs_a_gpu = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device; the CPU runs tests/ssm/test_gdn_layouts.py")
 
-LAYOUTS = (
+
+
+def _with_pre_fusion(layouts: tuple) -> tuple:
+    """``layouts``, then each of them with the fused pre-recurrence region."""
+    return layouts + tuple(dataclasses.replace(layout, pre_fusion=True) for layout in layouts)
+
+
+def _layout_id(layout: Layout) -> str:
+    return case_key(layout, True).removesuffix("-fused")
+
+
+LAYOUTS = _with_pre_fusion((
     Layout("cp2", cp=2),
     Layout("thd-cp2", cp=2, packed=True),
     Layout("fsdp-tp2", tp=2, fsdp=True),
-)
+))
 # Packed sequences run FLA's kernels (megatron refuses them in deterministic_mode).
 FLA_UNAVAILABLE = fla_gdn_backward_unavailable()
 RUN_LAYOUTS = tuple(layout for layout in LAYOUTS if not (layout.packed and FLA_UNAVAILABLE))
@@ -60,12 +75,13 @@ ONE_GPU_TWINS = (
     Layout("overlap-param-gather-2steps", overlap_grad_reduce=True, distributed_optimizer=True,
            overlap_param_gather=True, steps=2),
 )
-ONE_GPU_LAYOUTS = (
+PRE_FUSION_TWINS = tuple(dataclasses.replace(layout, pre_fusion=True) for layout in ONE_GPU_TWINS)
+ONE_GPU_LAYOUTS = _with_pre_fusion((
     *ONE_GPU_TWINS,
     Layout("fp16", fp16=True),
     Layout("mb2-per-token-loss", micro_batches=2, per_token_loss=True),
     Layout("avg-in-collective-distopt", average_in_collective=True, distributed_optimizer=True),
-)
+))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +110,7 @@ def one_gpu_ranks(reference, tmp_path_factory):
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[_layout_id(layout) for layout in LAYOUTS])
 def test_out_norm_gradient_matches_tp1(ranks, layout):
     if layout.packed and FLA_UNAVAILABLE:
         pytest.skip(FLA_UNAVAILABLE)
@@ -102,15 +118,19 @@ def test_out_norm_gradient_matches_tp1(ranks, layout):
 
 
 @needs_a_gpu
-@pytest.mark.parametrize("layout", ONE_GPU_LAYOUTS, ids=[layout.name for layout in ONE_GPU_LAYOUTS])
+@pytest.mark.parametrize("layout", ONE_GPU_LAYOUTS,
+                         ids=[_layout_id(layout) for layout in ONE_GPU_LAYOUTS])
 def test_training_options_match_the_reference_on_one_gpu(one_gpu_ranks, layout):
     _check(one_gpu_ranks, layout)
 
 
 @needs_a_gpu
-def test_overlapped_param_gather_equals_gather_in_the_optimizer_step_on_one_gpu(one_gpu_ranks):
+@pytest.mark.parametrize("twins", [ONE_GPU_TWINS, PRE_FUSION_TWINS],
+                         ids=["output-norm-fusion", "pre-fusion"])
+def test_overlapped_param_gather_equals_gather_in_the_optimizer_step_on_one_gpu(one_gpu_ranks,
+                                                                                twins):
     gathered_in_step, overlapped = ([rank[case_key(layout, True)] for rank in one_gpu_ranks]
-                                    for layout in ONE_GPU_TWINS)
+                                    for layout in twins)
     assert len(gathered_in_step) == 1 and len(gathered_in_step[0]["later_grads"]) == 1
     assert twin_mismatches(gathered_in_step, overlapped) == []
 
@@ -121,6 +141,7 @@ def _check(ranks, layout) -> None:
     for rank, record in enumerate(records):
         if "error" in record:
             pytest.fail(f"{key} raised on rank {rank}:\n{record['error']}")
+    assert all(record["pre_fused_modules"] == [layout.pre_fusion] for record in records)
     errors = grad_errors(records)
     out_norm = errors["out_norm.weight"]
     print(f"{key}: out_norm.weight rel err {out_norm:.2e}; largest of all parameters "

@@ -304,7 +304,7 @@ def measure_states(setup: LayerSetup, seq: int, batch: int, iters: int, states=S
                    warmup: int = 3) -> dict[str, dict]:
     """Per state (keys: ``states``): forward + backward time of the layer, its peak memory above
     the inputs (GPU) and the activation memory its forward keeps for backward per token; for
-    each state, its paired speed-up over every state listed before it (``paired_speedups``).
+    each state, its paired speed-up over every state listed before it (``paired_speedup``).
     The layers' steps alternate, their order rotating every round, so a drift of the host's or
     the GPU's speed during the measurement (the eager layer at TP 4-8 shapes waits on the host)
     falls on all alike."""

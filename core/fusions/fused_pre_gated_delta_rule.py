@@ -355,6 +355,7 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
         return q, k, v, gate, g, beta
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dq, dk, dv, dgate, dg, dbeta):
         qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start = ctx.saved_tensors
         shape, use_qk_l2norm, conv_rounding, eps = ctx.options
@@ -367,7 +368,7 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
         if dgate is None:
             gate_grad.zero_()
         elif not _is_view_of(dgate, gate_grad):  # the output norm wrote it there: no copy
-            gate_grad.copy_(dgate.reshape(batch, seq, -1))
+            gate_grad.copy_(dgate.reshape(gate_grad.shape))
         dtype, device, hv = qkvzba.dtype, qkvzba.device, shape.value_heads
         qk_shape = (batch, seq, hv, shape.key_dim)
         dqkvzba, dweight, dbias, da_log, ddt_bias = backward_impl(

@@ -17,9 +17,15 @@ import torch.nn.functional as F
 
 
 def torch_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """FLA's l2norm formula: ``x * (1 / sqrt(sum(x^2) + eps))`` in fp32, one rounding."""
-    xf = x.float()
+    """FLA's l2norm formula: ``x * (1 / sqrt(sum(x^2) + eps))`` in fp32 (float64 for float64
+    input), one rounding."""
+    xf = x.to(_compute_dtype(x))
     return (xf * (1 / torch.sqrt(xf.square().sum(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for the low-precision dtypes, float64 stays float64 (a float64 reference)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _torch_conv(qkv, weight, bias, conv_rounding, cu_seqlens):
@@ -29,8 +35,9 @@ def _torch_conv(qkv, weight, bias, conv_rounding, cu_seqlens):
 
     def segment(x):
         if conv_rounding == "once":
-            y = F.conv1d(x.transpose(1, 2).float(), w.float(),
-                         None if bias is None else bias.float(), padding=width - 1,
+            wide = _compute_dtype(x)
+            y = F.conv1d(x.transpose(1, 2).to(wide), w.to(wide),
+                         None if bias is None else bias.to(wide), padding=width - 1,
                          groups=w.shape[0])
             return F.silu(y[..., :x.shape[1]]).to(x.dtype).transpose(1, 2)
         y = F.conv1d(x.transpose(1, 2).contiguous(), w, bias, padding=width - 1,

@@ -196,3 +196,24 @@ def test_both_flags_write_the_gate_gradient_in_place(monkeypatch):
     _run(fused, x, dy)
     assert views == [True]
     assert fused.self_attention.dgate_sink is None
+
+
+@pytest.mark.parametrize("deterministic_mode", [True, False])
+def test_region_keeps_no_more_activation_memory(deterministic_mode):
+    """What the forward keeps for backward: the fused region saves the in_proj output (kept by
+    the output norm and the conv anyway) and the small parameters, not megatron's conv output,
+    normalised q / k or the g / beta inputs."""
+    from core.testing.gdn import bytes_kept_for_backward
+
+    _, both = _layers(torch.bfloat16, fused_gated_norm=True,
+                      deterministic_mode=deterministic_mode)
+    norm_only = build_gdn_layer(gdn_config(params_dtype=torch.bfloat16, fused_gated_norm=True,
+                                           deterministic_mode=deterministic_mode))
+    norm_only.load_state_dict(both.state_dict())
+    x, _ = layer_inputs(SEQ, BATCH, HIDDEN, torch.bfloat16, seed=8)
+    kept = {}
+    for name, layer in (("norm", norm_only), ("both", both)):
+        inp = x.clone().requires_grad_(True)
+        kept[name], _ = bytes_kept_for_backward(lambda: layer(inp, attention_mask=None),
+                                                exclude=list(layer.parameters()))
+    assert kept["both"] < kept["norm"], kept

@@ -252,10 +252,12 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     conv_blocks = triton.cdiv(seq, launch.conv_tokens)
     channels = shape.conv_channels
     f32 = dict(dtype=torch.float32, device=device)
-    da_partial = torch.zeros(batch * heads_blocks, hv, **f32)
-    ddt_partial = torch.zeros(batch * heads_blocks, hv, **f32)
-    dw_partial = torch.zeros(batch * conv_blocks, channels, shape.conv_width, **f32)
-    db_partial = torch.zeros(batch * conv_blocks, channels, **f32)
+    # the kernels write every partial (one row per program); no program runs on empty input
+    new = torch.empty if seq and batch else torch.zeros
+    da_partial = new(batch * heads_blocks, hv, **f32)
+    ddt_partial = new(batch * heads_blocks, hv, **f32)
+    dw_partial = new(batch * conv_blocks, channels, shape.conv_width, **f32)
+    db_partial = new(batch * conv_blocks, channels, **f32)
     if seq and batch:
         weight = conv_weight.view(channels, -1)
         dact = torch.empty(batch, seq, 2 * hk * shape.key_dim, dtype=dtype, device=device)

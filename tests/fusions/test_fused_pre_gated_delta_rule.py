@@ -248,6 +248,24 @@ def test_repeat_runs_give_the_same_bits():
         assert torch.equal(a, b)
 
 
+def test_every_buffer_element_is_written():
+    """The outputs, the gradient buffer and the fp32 partials start uninitialised: with torch
+    filling new memory with NaN (deterministic algorithms), the results are unchanged."""
+    region = Region()
+    inputs = make_region(region, 2, 20, torch.float32)
+    plain, plain_grads = region_grads(fused_pre_gated_delta_rule, inputs, region)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        filled, filled_grads = region_grads(fused_pre_gated_delta_rule, inputs, region,
+                                            make_cotangents(plain))
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    for a, b in zip(plain + plain_grads, filled + filled_grads):
+        assert torch.equal(a, b)
+
+
 def test_double_backward_raises():
     """The backward is not differentiable (Triton kernels): a second derivative raises instead
     of holding only the part that flows through the gate's gradient."""

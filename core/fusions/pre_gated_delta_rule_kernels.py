@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from core.fusions.gated_norm_kernels import INTERPRETED, _exp_neg, _round_to, _sigmoid
+from core.fusions.gated_norm_kernels import (INTERPRETED, _activation, _activation_grad,
+                                             _round_to, _sigmoid)
 
 # torch's expf / log1pf / IEEE division for g and beta (a few values per token, where bitwise
 # agreement with the unfused path is cheap); the interpreter has no libdevice log1p.
@@ -79,11 +80,16 @@ def _silu_once(pre):
 def _conv_act(pre, DTYPE: tl.constexpr, CONV_ROUNDING: tl.constexpr):
     """act of the module docstring, rounded to DTYPE, kept in fp32."""
     if CONV_ROUNDING == "twice":
-        p = _round_to(pre, DTYPE)
-        act = p / (1.0 + _exp_neg(p))  # torch's silu formula
+        act = _activation(_round_to(pre, DTYPE), "silu")  # torch's silu formula
     else:
         act = _silu_once(pre)
     return _round_to(act, DTYPE)
+
+
+@triton.jit
+def _l2_rstd(y, EPS: tl.constexpr):
+    """FLA's l2norm: 1 / sqrt(sum over the head of y^2 + eps), per row."""
+    return 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
 
 
 @triton.jit
@@ -133,8 +139,7 @@ def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stri
                     bias, ss, K, HAS_BIAS)
     y = _conv_act(pre, DTYPE, CONV_ROUNDING)
     if USE_QK_L2NORM:
-        rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)  # FLA's l2norm
-        y = _round_to(y * rstd[:, None], DTYPE)
+        y = _round_to(y * _l2_rstd(y, EPS)[:, None], DTYPE)
     m = t_mask[:, None] & d_mask[None, :]
     for i in tl.static_range(R):
         tl.store(out + (tok * HV + kh * R + i) * DK + d[None, :], y.to(DTYPE), mask=m)
@@ -235,7 +240,7 @@ def _bwd_key_head(x_b, w, bias, grad, dact, t, t_mask, tok, start, head, kh, ss,
         pre = _conv_pre(x_b, t, t_mask, start, head * DK + d, d_mask, w, w_stride_c,
                         w_stride_k, bias, ss, K, HAS_BIAS)
         y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-        rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
+        rstd = _l2_rstd(y, EPS)
         y = y * rstd[:, None]
         dy = dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None]
     tl.store(dact + tok * (2 * HK * DK) + head * DK + d[None, :], _round_to(dy, DTYPE).to(DTYPE),
@@ -338,8 +343,7 @@ def pre_gdr_bwd_conv(
             da = tl.load(dv + s64 * (HV * DV) + (chans - QK)[None, :], mask=m,
                          other=0.0).to(tl.float32)
         p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
-        sig = _sigmoid(p)
-        dpre = tl.where(m, da * sig * (1.0 + p * (1.0 - sig)), 0.0)
+        dpre = tl.where(m, da * _activation_grad(p, "silu"), 0.0)
         wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=c_mask, other=0.0)
         dxs += dpre * wi.to(tl.float32)[None, :]
         if i == 0:

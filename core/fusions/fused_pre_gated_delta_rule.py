@@ -61,6 +61,11 @@ class RegionShape(NamedTuple):
         start = self.conv_channels
         return slice(start, start + self.value_heads * self.value_dim)
 
+    def gate_view(self, qkvzba: torch.Tensor) -> torch.Tensor:
+        """The gate's slice of a [B, S, W] in_proj output (or its gradient) as [B, S, Hv, Dv]."""
+        batch, seq, _ = qkvzba.shape
+        return qkvzba[..., self.gate_slice].view(batch, seq, self.value_heads, self.value_dim)
+
 
 # ----------------------------------------------------------------------------------------------
 # Input rules (host metadata only: nothing is read from the device)
@@ -291,8 +296,12 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
 def gradient_buffer(qkvzba: torch.Tensor) -> torch.Tensor:
     """A new tensor for qkvzba's gradient: laid out as in_proj's [S, B, W] output when qkvzba is
     its bshd transpose (in_proj's backward then reads it contiguous), else contiguous."""
-    return _new_buffer(qkvzba.shape, qkvzba.dtype, qkvzba.device,
-                       qkvzba.transpose(0, 1).is_contiguous())
+    return _new_buffer(*_buffer_layout(qkvzba))
+
+
+def _buffer_layout(qkvzba: torch.Tensor) -> tuple:
+    """What ``_new_buffer`` needs of qkvzba: size, dtype, device, whether it is sbhd."""
+    return qkvzba.shape, qkvzba.dtype, qkvzba.device, qkvzba.transpose(0, 1).is_contiguous()
 
 
 def _new_buffer(size, dtype, device, sbhd: bool) -> torch.Tensor:
@@ -316,28 +325,31 @@ class GateGradientSink:
 
     def bind(self, qkvzba: torch.Tensor, shape: RegionShape) -> None:
         """Keep qkvzba's layout (not its memory) and the region's sizes."""
-        self._layout = (qkvzba.shape, qkvzba.dtype, qkvzba.device,
-                        qkvzba.transpose(0, 1).is_contiguous())
+        self._layout = _buffer_layout(qkvzba)
         self._shape = shape
 
     def gate_gradient(self) -> torch.Tensor:
         """The [B, S, Hv, Dv] view of the buffer's gate slice (the buffer made on first use)."""
         if self.buffer is None:
             self.buffer = _new_buffer(*self._layout)
-        batch, seq, _ = self.buffer.shape
-        return self.buffer[..., self._shape.gate_slice].view(
-            batch, seq, self._shape.value_heads, self._shape.value_dim)
+        return self._shape.gate_view(self.buffer)
 
     def take(self) -> Optional[torch.Tensor]:
         buffer, self.buffer = self.buffer, None
         return buffer
 
 
-def _contiguous_grad(grad, shape, dtype, device):
-    """An output's gradient as the kernels read it (contiguous); zeros for an unused output."""
-    if grad is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return grad if grad.is_contiguous() else grad.contiguous()
+def output_gradients(qkvzba: torch.Tensor, shape: RegionShape, dq, dk, dv, dg, dbeta) -> list:
+    """The gradients of q, k, v, g and beta as the kernels read them (contiguous), zeros for an
+    output autograd hands None (unused)."""
+    batch, seq, _ = qkvzba.shape
+    hv = shape.value_heads
+    shapes = ((batch, seq, hv, shape.key_dim), (batch, seq, hv, shape.key_dim),
+              (batch, seq, hv, shape.value_dim), (batch, seq, hv), (batch, seq, hv))
+    dtypes = (qkvzba.dtype,) * 3 + (torch.float32, qkvzba.dtype)
+    return [torch.zeros(size, dtype=dtype, device=qkvzba.device) if grad is None
+            else grad.contiguous()
+            for grad, size, dtype in zip((dq, dk, dv, dg, dbeta), shapes, dtypes)]
 
 
 class _FusedPreGatedDeltaRule(torch.autograd.Function):
@@ -346,9 +358,7 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
                 use_qk_l2norm, conv_rounding, eps, dgate_sink):
         q, k, v, g, beta = forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
                                         seq_start, use_qk_l2norm, conv_rounding, eps)
-        batch, seq, _ = qkvzba.shape
-        gate = qkvzba[..., shape.gate_slice].view(batch, seq, shape.value_heads,
-                                                   shape.value_dim)
+        gate = shape.gate_view(qkvzba)
         ctx.save_for_backward(qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start)
         ctx.options = (shape, use_qk_l2norm, conv_rounding, eps)
         ctx.dgate_sink = dgate_sink
@@ -361,7 +371,6 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
     def backward(ctx, dq, dk, dv, dgate, dg, dbeta):
         qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start = ctx.saved_tensors
         shape, use_qk_l2norm, conv_rounding, eps = ctx.options
-        batch, seq, _ = qkvzba.shape
         sink = ctx.dgate_sink
         dqkvzba = None if sink is None else sink.take()
         if dqkvzba is None:
@@ -371,16 +380,10 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
             gate_grad.zero_()
         elif not _is_view_of(dgate, gate_grad):  # the output norm wrote it there: no copy
             gate_grad.copy_(dgate.reshape(gate_grad.shape))
-        dtype, device, hv = qkvzba.dtype, qkvzba.device, shape.value_heads
-        qk_shape = (batch, seq, hv, shape.key_dim)
         dqkvzba, dweight, dbias, da_log, ddt_bias = backward_impl(
             qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
-            _contiguous_grad(dq, qk_shape, dtype, device),
-            _contiguous_grad(dk, qk_shape, dtype, device),
-            _contiguous_grad(dv, (batch, seq, hv, shape.value_dim), dtype, device),
-            _contiguous_grad(dg, (batch, seq, hv), torch.float32, device),
-            _contiguous_grad(dbeta, (batch, seq, hv), dtype, device),
-            seq_start, use_qk_l2norm, conv_rounding, eps, dqkvzba=dqkvzba)
+            *output_gradients(qkvzba, shape, dq, dk, dv, dg, dbeta), seq_start, use_qk_l2norm,
+            conv_rounding, eps, dqkvzba=dqkvzba)
         return dqkvzba, dweight, dbias, da_log, ddt_bias, None, None, None, None, None, None
 
 
@@ -427,10 +430,7 @@ def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
         q, k, v, g, beta = pre_gdr_fwd_op(qkvzba, conv_weight, conv_bias, A_log, dt_bias,
                                           seq_start, list(shape[:4]), use_qk_l2norm,
                                           conv_rounding, float(eps))
-        batch, seq, _ = qkvzba.shape
-        gate = qkvzba[..., shape.gate_slice].view(batch, seq, shape.value_heads,
-                                                   shape.value_dim)
-        return q, k, v, gate, g, beta
+        return q, k, v, shape.gate_view(qkvzba), g, beta
     return _FusedPreGatedDeltaRule.apply(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
                                          seq_start, use_qk_l2norm, conv_rounding, float(eps),
                                          dgate_sink)

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from core.fusions.fused_pre_gated_delta_rule import RegionShape, backward_impl, forward_impl
+from core.fusions.fused_pre_gated_delta_rule import (RegionShape, backward_impl, forward_impl,
+                                                     output_gradients)
 
 
 def _shape(sizes: list[int], conv_weight: torch.Tensor) -> RegionShape:
@@ -79,19 +80,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq, dk, dv, dg, dbeta):
     qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start = ctx.saved_tensors
-    sizes = ctx.options[0]
-    batch, seq, _ = qkvzba.shape
-    hv, key_dim, value_dim = sizes[1], sizes[2], sizes[3]
-    zeros = dict(dtype=qkvzba.dtype, device=qkvzba.device)
-    grads = [torch.zeros(shape, **zeros) if grad is None else grad for grad, shape in (
-        (dq, (batch, seq, hv, key_dim)), (dk, (batch, seq, hv, key_dim)),
-        (dv, (batch, seq, hv, value_dim)))]
-    dg = torch.zeros(batch, seq, hv, dtype=torch.float32, device=qkvzba.device) if dg is None \
-        else dg
-    dbeta = torch.zeros(batch, seq, hv, **zeros) if dbeta is None else dbeta
+    grads = output_gradients(qkvzba, _shape(ctx.options[0], conv_weight), dq, dk, dv, dg, dbeta)
     dqkvzba, dweight, dbias, da_log, ddt_bias = pre_gdr_bwd_op(
-        qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start, *grads, dg, dbeta,
-        *ctx.options)
+        qkvzba, conv_weight, conv_bias, A_log, dt_bias, seq_start, *grads, *ctx.options)
     return (dqkvzba, dweight, None if conv_bias is None else dbias, da_log, ddt_bias, None,
             None, None, None, None)
 

@@ -21,6 +21,7 @@ from core.fusions.pre_gated_delta_rule_reference import unfused_pre_gated_delta_
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps, assert_no_less_accurate
 from tests.gated_norm_inputs import DEVICE
 from tests.pre_gated_delta_rule_inputs import (GRAD_NAMES, OUTPUT_NAMES, Region,
+                                               assert_each_sequence_equals_it_alone,
                                                float64_region_grads, make_cotangents,
                                                make_region, region_grads)
 
@@ -220,13 +221,13 @@ def test_expanded_output_gradients(monkeypatch):
     leaves = inputs.map(lambda t: t.detach().clone().requires_grad_())
     outputs = fused_pre_gated_delta_rule(*leaves, **region.heads())
     strides = []
-    real = fpg._contiguous_grad
+    real = fpg.output_gradients
 
-    def spy(grad, *args):
-        strides.append(grad.stride())
-        return real(grad, *args)
+    def spy(qkvzba, shape, *grads):
+        strides.extend(grad.stride() for grad in grads)
+        return real(qkvzba, shape, *grads)
 
-    monkeypatch.setattr(fpg, "_contiguous_grad", spy)
+    monkeypatch.setattr(fpg, "output_gradients", spy)
     sum(o.sum() for o in outputs).backward()
     monkeypatch.undo()
     assert len(strides) == 5 and all(set(s) == {0} for s in strides)
@@ -330,14 +331,8 @@ def test_packed_sequence_equals_it_alone(bounds):
     region, inputs, cu_seqlens = _packed_inputs(bounds, torch.bfloat16)
     outputs, grads = region_grads(fused_pre_gated_delta_rule, inputs, region,
                                   cu_seqlens=cu_seqlens)
-    cotangents = make_cotangents(outputs)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        alone = inputs._replace(qkvzba=inputs.qkvzba[:, start:end])
-        alone_outputs, alone_grads = region_grads(
-            fused_pre_gated_delta_rule, alone, region, [c[:, start:end] for c in cotangents])
-        for name, a, b in zip(OUTPUT_NAMES, outputs, alone_outputs):
-            assert torch.equal(a[:, start:end], b), (name, start, end)
-        assert torch.equal(grads[0][:, start:end], alone_grads[0]), (start, end)
+    assert_each_sequence_equals_it_alone(outputs, grads, inputs, region, bounds,
+                                         make_cotangents(outputs))
 
 
 @pytest.mark.parametrize("parity", [0, 1])

@@ -5,7 +5,8 @@
 view of an sbhd buffer, as megatron's GatedDeltaNet transposes its in_proj output, or a plain
 contiguous bshd tensor), the conv weight and bias, A_log (megatron's init: log of U(1, 16)) and
 dt_bias; ``make_cotangents`` the gradients of the six outputs; ``region_grads`` runs the fused
-function or the reference forward and backward and returns the outputs and the five gradients.
+function or the reference forward and backward and returns the outputs and the five gradients;
+``assert_each_sequence_equals_it_alone`` checks a packed run against each sequence run alone.
 """
 
 from __future__ import annotations
@@ -119,3 +120,19 @@ def float64_region_grads(inputs: RegionInputs, region: Region, cotangents, **opt
     wide = inputs.map(lambda t: t.double())
     return region_grads(unfused_pre_gated_delta_rule, wide, region,
                         [None if c is None else c.double() for c in cotangents], **options)
+
+
+def assert_each_sequence_equals_it_alone(outputs, grads, inputs: RegionInputs, region: Region,
+                                         bounds, cotangents) -> None:
+    """Each packed sequence's outputs and d(qkvzba), from a run of the fused function with
+    ``cu_seqlens`` = ``bounds`` and ``cotangents``, are bitwise those of the fused function on
+    that sequence alone (B = 1, no cu_seqlens)."""
+    from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule
+
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        alone = inputs._replace(qkvzba=inputs.qkvzba[:, start:end])
+        alone_outputs, alone_grads = region_grads(
+            fused_pre_gated_delta_rule, alone, region, [c[:, start:end] for c in cotangents])
+        for name, a, b in zip(OUTPUT_NAMES, outputs, alone_outputs):
+            assert torch.equal(a[:, start:end], b), (name, start, end)
+        assert torch.equal(grads[0][:, start:end], alone_grads[0]), (start, end)

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule  # noqa: E402
+from core.fusions.gated_norm_reference import (bitwise_share, relative_error,  # noqa: E402
+                                               ulp_distance)
 from core.fusions.pre_gated_delta_rule_reference import (  # noqa: E402
     unfused_pre_gated_delta_rule)
 from tools.bench_common import (bench_graph, copy_ceiling, environment,  # noqa: E402
@@ -117,12 +119,6 @@ def timed(fn, inputs, hv, backward: bool) -> float:
     return bench_graph(step)
 
 
-def _ulps(a, b):
-    ai = a.view(torch.int16).int() if a.dtype == torch.bfloat16 else a.view(torch.int32).long()
-    bi = b.view(torch.int16).int() if b.dtype == torch.bfloat16 else b.view(torch.int32).long()
-    return (ai - bi).abs().max().item()
-
-
 def parity(batch, seq, hv) -> dict:
     """Ours against megatron's eager steps, forward bits and gradients against float64."""
     inputs = region_inputs(batch, seq, hv, seed=1)
@@ -137,8 +133,8 @@ def parity(batch, seq, hv) -> dict:
     grads = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs["ours"]]
     for name, o_ours, o_ref in zip(("q", "k", "v", "gate", "g", "beta"), outs["ours"],
                                    outs["megatron"]):
-        result[name] = {"bitwise": (o_ours == o_ref).float().mean().item(),
-                        "max_ulps": _ulps(o_ours.contiguous(), o_ref.contiguous())}
+        result[name] = {"bitwise": bitwise_share(o_ours, o_ref),
+                        "max_ulps": ulp_distance(o_ours, o_ref).max().item()}
     f64 = [t.detach().double().requires_grad_(True) for t in inputs]
     ref64 = unfused_pre_gated_delta_rule(f64[0], f64[1], None, f64[2], f64[3], **heads(hv),
                                          conv_rounding="once")
@@ -146,8 +142,7 @@ def parity(batch, seq, hv) -> dict:
         torch.autograd.backward(outs[name], grads)
     torch.autograd.backward(ref64, [g.double() for g in grads])
     for i, name in enumerate(("dqkvzba", "dconv_weight", "dA_log", "ddt_bias")):
-        exact = f64[i].grad
-        err = {impl: ((leaves[impl][i].grad.double() - exact).norm() / exact.norm()).item()
+        err = {impl: relative_error(leaves[impl][i].grad, f64[i].grad)
                for impl in ("ours", "megatron")}
         result[name] = {"rel_error_ours": err["ours"], "rel_error_megatron": err["megatron"]}
     return result

@@ -14,6 +14,7 @@ from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule
 from core.fusions.pre_gated_delta_rule_reference import unfused_pre_gated_delta_rule
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps, assert_no_less_accurate
 from tests.pre_gated_delta_rule_inputs import (GRAD_NAMES, OUTPUT_NAMES, Region,
+                                               assert_each_sequence_equals_it_alone,
                                                float64_region_grads, make_cotangents,
                                                make_region, region_grads)
 from tools.bench_common import capture
@@ -117,13 +118,7 @@ def test_packed_sequences():
     _, exact_grads = float64_region_grads(inputs, region, cotangents, cu_seqlens=cu_seqlens)
     assert_parity(outputs, ref_outputs)
     assert_accuracy(grads, ref_grads, exact_grads)
-    for start, end in zip(UNEQUAL[:-1], UNEQUAL[1:]):
-        alone = inputs._replace(qkvzba=inputs.qkvzba[:, start:end])
-        alone_outputs, alone_grads = region_grads(
-            fused_pre_gated_delta_rule, alone, region, [c[:, start:end] for c in cotangents])
-        for name, a, b in zip(OUTPUT_NAMES, outputs, alone_outputs):
-            assert torch.equal(a[:, start:end], b), (name, start, end)
-        assert torch.equal(grads[0][:, start:end], alone_grads[0]), (start, end)
+    assert_each_sequence_equals_it_alone(outputs, grads, inputs, region, UNEQUAL, cotangents)
 
 
 def test_cuda_graph_replay_matches_eager():

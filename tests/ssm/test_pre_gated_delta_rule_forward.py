@@ -27,6 +27,16 @@ def _run(layer, x, dy, **kwargs):
     return out.detach(), x.grad.detach(), grads
 
 
+def _assert_fp32_runs_close(fused, reference):
+    """Two fp32 ``_run`` results: output and input gradient within 1e-5, every parameter's
+    gradient within 1e-4 (relative)."""
+    (o_f, dx_f, g_f), (o_r, dx_r, g_r) = fused, reference
+    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx_f, dx_r, rtol=1e-5, atol=1e-6)
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def _layers(dtype=torch.bfloat16, fused_gated_norm=False, **cfg):
     """(megatron's path, the fused region) with identical weights, conv bias and A_log varied."""
     ref = build_gdn_layer(gdn_config(params_dtype=dtype, fused_gated_norm=False, **cfg))
@@ -47,14 +57,11 @@ def test_fp32_fused_region_matches_megatron(fused_gated_norm):
     ref, fused = _layers(torch.float32, fused_gated_norm)
     x, dy = layer_inputs(SEQ, BATCH, HIDDEN, torch.float32, seed=1)
     with counting_calls(forward_module, "fused_pre_gated_delta_rule") as calls:
-        (o_f, dx_f, g_f) = _run(fused, x, dy)
+        fused_run = _run(fused, x, dy)
     assert len(calls) == 1
-    (o_r, dx_r, g_r) = _run(ref, x, dy)
-    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_f, dx_r, rtol=1e-5, atol=1e-6)
-    assert g_f.keys() == g_r.keys()
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-5, msg=name)
+    ref_run = _run(ref, x, dy)
+    assert fused_run[2].keys() == ref_run[2].keys()
+    _assert_fp32_runs_close(fused_run, ref_run)
 
 
 @pytest.mark.parametrize("fused_gated_norm", [False, True])
@@ -80,12 +87,7 @@ def test_flas_conv_path_outside_deterministic_mode(monkeypatch):
     torch's conv; the fused region rounds once, as FLA's kernel does), so fp32 is compared."""
     ref, fused = _layers(torch.float32, deterministic_mode=False)
     x, dy = layer_inputs(SEQ, BATCH, HIDDEN, torch.float32, seed=4)
-    o_f, dx_f, g_f = _run(fused, x, dy)
-    o_r, dx_r, g_r = _run(ref, x, dy)
-    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_f, dx_r, rtol=1e-5, atol=1e-6)
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_fp32_runs_close(_run(fused, x, dy), _run(ref, x, dy))
 
 
 def test_packed_sequences_match_megatron():
@@ -96,12 +98,8 @@ def test_packed_sequences_match_megatron():
     cu = torch.tensor([0, 4, 10, 16], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=6, max_seqlen_kv=6)
-    o_f, dx_f, g_f = _run(fused, x, dy, packed_seq_params=packed)
-    o_r, dx_r, g_r = _run(ref, x, dy, packed_seq_params=packed)
-    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_f, dx_r, rtol=1e-5, atol=1e-6)
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_fp32_runs_close(_run(fused, x, dy, packed_seq_params=packed),
+                            _run(ref, x, dy, packed_seq_params=packed))
 
 
 def test_gdn_norm_out_recompute_gives_the_same_gradients():

@@ -227,48 +227,35 @@ def test_argument_group_factory_takes_our_config():
         "gdn_out_norm_zero_centered_gamma"}
 
 
-def test_a_flag_megatrons_parser_already_has_is_not_added_again():
-    """A megatron-core release that puts megatron main's --gdn-gated-output-norm-fusion on its
-    own parser (a stand-in parser here): argparse would refuse the flag twice, so it stays the
-    parser's, and the rest of the group is added."""
+FUSION_DESTS = ("fused_gated_norm", "gdn_gated_output_norm_fusion",
+                "gdn_pre_gated_delta_rule_fusion", "gdn_out_norm_zero_centered_gamma")
+
+
+@pytest.mark.parametrize("dest", ["gdn_gated_output_norm_fusion",
+                                  "gdn_pre_gated_delta_rule_fusion"])
+def test_a_flag_megatrons_parser_already_has_is_not_added_again(dest):
+    """A megatron-core release that puts one of megatron main's flags on its own parser (a
+    stand-in parser here): argparse would refuse the flag twice, so it stays the parser's, the
+    rest of the group is added, and it parses into its own destination. The same destination
+    under another option string is the parser's too."""
+    flag = "--" + dest.replace("_", "-")
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    theirs = parser.add_argument("--gdn-gated-output-norm-fusion", action="store_true")
+    theirs = parser.add_argument(flag, action="store_true")
     add_gdn_fusion_args(parser)
-    assert parser._option_string_actions["--gdn-gated-output-norm-fusion"] is theirs
+    assert parser._option_string_actions[flag] is theirs
     dests = [a.dest for a in parser._actions]
-    assert dests.count("gdn_gated_output_norm_fusion") == 1
-    assert {"fused_gated_norm", "gdn_out_norm_zero_centered_gamma"} <= set(dests)
-    args = parser.parse_args(["--gdn-gated-output-norm-fusion"])
-    assert args.gdn_gated_output_norm_fusion is True and args.fused_gated_norm is None
-    # the same destination under another option string is the parser's too
+    assert dests.count(dest) == 1
+    assert set(FUSION_DESTS) - {dest} <= set(dests)
+    args = parser.parse_args([flag])
+    assert getattr(args, dest) is True and args.fused_gated_norm is None
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--fuse-gdn-output-norm", dest="gdn_gated_output_norm_fusion",
-                        action="store_true")
+    parser.add_argument("--another-name", dest=dest, action="store_true")
     add_gdn_fusion_args(parser)
-    assert "--gdn-gated-output-norm-fusion" not in parser._option_string_actions
-    # without the stand-in: every flag of ours, once
+    assert flag not in parser._option_string_actions
+
+
+def test_every_fusion_flag_is_on_the_parser():
     parser = add_gdn_fusion_args(argparse.ArgumentParser(allow_abbrev=False))
     assert {"--fused-gated-norm", "--gdn-gated-output-norm-fusion",
             "--gdn-pre-gated-delta-rule-fusion",
             "--gdn-out-norm-zero-centered-gamma"} <= set(parser._option_string_actions)
-
-
-def test_a_pre_gated_delta_rule_flag_megatrons_parser_already_has_is_not_added_again():
-    """megatron main puts --gdn-pre-gated-delta-rule-fusion on its own parser (a stand-in parser
-    here): it stays the parser's, the rest of the group is added, and the config carries what
-    that flag parsed."""
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    theirs = parser.add_argument("--gdn-pre-gated-delta-rule-fusion", action="store_true")
-    add_gdn_fusion_args(parser)
-    assert parser._option_string_actions["--gdn-pre-gated-delta-rule-fusion"] is theirs
-    dests = [a.dest for a in parser._actions]
-    assert dests.count("gdn_pre_gated_delta_rule_fusion") == 1
-    assert {"fused_gated_norm", "gdn_gated_output_norm_fusion",
-            "gdn_out_norm_zero_centered_gamma"} <= set(dests)
-    args = parser.parse_args(["--gdn-pre-gated-delta-rule-fusion"])
-    assert args.gdn_pre_gated_delta_rule_fusion is True and args.fused_gated_norm is None
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--fuse-pre-gdr", dest="gdn_pre_gated_delta_rule_fusion",
-                        action="store_true")
-    add_gdn_fusion_args(parser)
-    assert "--gdn-pre-gated-delta-rule-fusion" not in parser._option_string_actions

@@ -1,0 +1,37 @@
+"""tools/pre_gdr_benchmark.py on the CPU: its byte floor, its inputs and region call against the
+reference, and its refusal without a GPU (the timings and parity need one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.fusions.pre_gated_delta_rule_reference import unfused_pre_gated_delta_rule
+from tools import pre_gdr_benchmark as bench
+
+
+def test_region_bytes_count_each_tensor_once():
+    # B = 1, S = 2, 4 value heads (2 key heads) of 128: the in_proj output read is
+    # q, k (2 x 2 x 128), v (4 x 128), beta and alpha (2 x 4) per token, bf16
+    read = 2 * (2 * 2 * 128 + 4 * 128 + 2 * 4) * 2
+    # q, k repeated to the value heads, v, beta in bf16; g in fp32
+    written = 2 * (2 * 4 * 128 + 4 * 128 + 4) * 2 + 2 * 4 * 4
+    assert bench.region_bytes(1, 2, 4) == {"forward": read + written,
+                                           "forward_backward": 3 * read + 2 * written}
+
+
+@pytest.mark.interpreter
+def test_ours_is_the_fused_region_of_the_benchmark_inputs():
+    qkvzba, weight, a_log, dt_bias = bench.region_inputs(1, 6, 2, device="cpu")
+    assert qkvzba.transpose(0, 1).is_contiguous()  # the bshd view of an sbhd buffer
+    ours = bench.ours(qkvzba, weight, a_log, dt_bias, 2)
+    ref = unfused_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias, **bench.heads(2))
+    for name, a, b in zip(("q", "k", "v", "gate", "beta"), ours[:4] + ours[5:],
+                          ref[:4] + ref[5:]):
+        assert torch.equal(a, b), name
+
+
+def test_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--quick"])

@@ -1,6 +1,7 @@
 """Benchmark and GPU parity of the fused pre-recurrence region, on one GPU, in one process.
 
     python tools/pre_gdr_benchmark.py [--out DIR] [--quick]   # GPU: pre_gdr_benchmark.json
+    python tools/pre_gdr_benchmark.py --sweep [--out DIR]     # GPU: pre_gdr_launch_sweep.json
 
 The region: the bshd in_proj output to q, k, v, g, beta (Qwen3-Next per-rank sizes: key and
 value head dims 128, conv width 4, 2 value heads per key head). Per shape, GPU time (CUDA graph
@@ -12,13 +13,16 @@ replay) of the forward and of forward + backward of:
 next to the byte floor (bytes read and written once, at the copy ceiling measured in the same
 run). Parity (--parity): the share of bitwise-equal elements of ours against megatron's eager
 steps (FLA's kernels, the methods unwrapped), worst ulp distance, and the gradients' error
-against a float64 reference beside the unfused path's.
+against a float64 reference beside the unfused path's. Sweep (--sweep): each kernel's GPU time
+over its launch choices (``launch_for``'s fields), the other kernels at their defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import core.fusions.fused_pre_gated_delta_rule as region  # noqa: E402
 from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule  # noqa: E402
 from core.fusions.gated_norm_reference import (bitwise_share, relative_error,  # noqa: E402
                                                ulp_distance)
@@ -104,10 +109,9 @@ def region_bytes(batch, seq, hv) -> dict:
 def timed(fn, inputs, hv, backward: bool) -> float:
     qkvzba, weight, a_log, dt_bias = inputs
     leaves = [t.detach().requires_grad_(backward) for t in (qkvzba, weight, a_log, dt_bias)]
-    grads = None
-    if backward:
-        outs = fn(*leaves, hv)
-        grads = [torch.randn_like(o) for o in outs if o.requires_grad]
+    outs = fn(*leaves, hv)  # outside any capture: compiles and loads the kernels
+    grads = [torch.randn_like(o) for o in outs if o.requires_grad] if backward else None
+    del outs
 
     def step():
         outs = fn(*leaves, hv)
@@ -162,7 +166,7 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
                              "forward_backward_us": timed(fn, inputs, hv, True)}
             except Exception as error:  # one failing peer does not end the run
                 log(f"{name} failed at {batch}x{seq}x{hv}: {type(error).__name__}: "
-                    f"{str(error).splitlines()[0]}")
+                    f"{str(error).splitlines()[0]}\n{traceback.format_exc(limit=-4)}")
                 torch.cuda.synchronize()
                 row[name] = {"forward_us": float("nan"), "forward_backward_us": float("nan")}
         row["speedup_fwd_bwd"] = (row["megatron"]["forward_backward_us"]
@@ -189,13 +193,65 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
     return results
 
 
+SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 4)]
+SWEEP = {  # kernel: the Launch fields it reads and their candidates
+    "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
+    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (2, 4, 8, 16)},
+}
+
+
+def sweep_candidates(default: region.Launch):
+    """(kernel, Launch) pairs: one kernel's fields varied, the others at ``default``."""
+    for kernel, fields in SWEEP.items():
+        for values in itertools.product(*fields.values()):
+            yield kernel, default._replace(**dict(zip(fields, values)))
+
+
+def sweep(out_dir: str) -> dict:
+    """GPU time of forward_impl or backward_impl per launch."""
+    results = {"env": environment(), "rows": []}
+    default_for = region.launch_for
+    try:
+        for batch, seq, hv in SWEEP_SHAPES:
+            qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv)
+            shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
+                                                      **heads(hv))
+            outs = region.forward_impl(qkvzba, weight, None, a_log, dt_bias, shape)
+            grads = [torch.randn_like(o) for o in outs]
+            best = {}
+            for kernel, launch in sweep_candidates(default_for(shape)):
+                region.launch_for = lambda _shape, launch=launch: launch
+                if kernel == "forward":
+                    us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,
+                                                                 dt_bias, shape))
+                else:
+                    us = bench_graph(lambda: region.backward_impl(qkvzba, weight, None, a_log,
+                                                                  dt_bias, shape, *grads))
+                row = {"batch": batch, "seq": seq, "value_heads": hv, "kernel": kernel,
+                       "launch": launch._asdict(), "us": us}
+                results["rows"].append(row)
+                if kernel not in best or us < best[kernel]["us"]:
+                    best[kernel] = row
+            for kernel, row in best.items():
+                log(f"{batch}x{seq}x{hv} {kernel:>8} best {row['us']:8.1f} us "
+                    f"{ {k: v for k, v in row['launch'].items() if k in SWEEP[kernel]} }")
+    finally:
+        region.launch_for = default_for
+    write_json(results, out_dir, "pre_gdr_launch_sweep.json")
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/benchmark", help="folder for the JSON")
     parser.add_argument("--quick", action="store_true", help="S = 4096, B = 1 only")
     parser.add_argument("--parity", action="store_true", help="also the parity report")
+    parser.add_argument("--sweep", action="store_true", help="only the launch sweep")
     args = parser.parse_args(argv)
     require_cuda("pre_gdr_benchmark.py")
+    if args.sweep:
+        sweep(args.out)
+        return
     run(QUICK_SHAPES if args.quick else SHAPES, args.out, args.parity)
 
 

@@ -19,7 +19,6 @@ lands in the same buffer as the rest. The rounding points are the unfused path's
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,8 +27,7 @@ import triton
 from core.fusions.gated_norm_validation import (DEVICE_RULE, check_bool, check_option,
                                                  check_positive_number, check_tensors)
 from core.fusions.gated_norm_kernels import INTERPRETED
-from core.fusions.pre_gated_delta_rule_kernels import (pre_gdr_bwd_conv, pre_gdr_bwd_heads,
-                                                       pre_gdr_fwd)
+from core.fusions.pre_gated_delta_rule_kernels import pre_gdr_bwd, pre_gdr_fwd
 
 ENTRY = "fused_pre_gated_delta_rule"
 # "once": FLA's causal_conv1d (conv + SiLU, one rounding); "twice": torch's conv1d, then the
@@ -172,16 +170,16 @@ def check_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
 
 
 class Launch(NamedTuple):
-    forward_tokens: int  # tokens per program, forward and the backward's head kernel
-    conv_tokens: int  # tokens per program of the conv backward
-    conv_channels: int  # channels per program of the conv backward (divides both sections)
-    warps: int
+    forward_tokens: int  # tokens per program of the forward
+    forward_warps: int
+    backward_tokens: int  # rows per program of the backward: its own tokens and K - 1 more
+    backward_warps: int
 
 
 def launch_for(shape: RegionShape) -> Launch:
-    section = math.gcd(2 * shape.key_heads * shape.key_dim, shape.value_heads * shape.value_dim)
-    channels = min(section & -section, 64)  # largest power of two dividing both sections
-    return Launch(forward_tokens=32, conv_tokens=32, conv_channels=channels, warps=4)
+    # the backward's block owns backward_tokens - K + 1 tokens: at least half of its rows
+    rows = max(32, triton.next_power_of_2(2 * shape.conv_width))
+    return Launch(forward_tokens=16, forward_warps=4, backward_tokens=rows, backward_warps=4)
 
 
 def _block(n: int) -> int:
@@ -236,7 +234,7 @@ def forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionSh
         w_stride_c=weight.stride(0), w_stride_k=weight.stride(1), **_dims(shape),
         BT=launch.forward_tokens, BDK=_block(dk), BDV=_block(dv), BH=_block(hv),
         **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
-        num_warps=launch.warps,
+        num_warps=launch.forward_warps,
     )
     return q, k, v, g, beta
 
@@ -249,40 +247,32 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     to write (qkvzba's shape), e.g. one whose gate slice already holds the gate's gradient."""
     batch, seq, _ = qkvzba.shape
     hk, hv = shape.key_heads, shape.value_heads
-    dtype, device = qkvzba.dtype, qkvzba.device
+    device = qkvzba.device
     if dqkvzba is None:
         dqkvzba = gradient_buffer(qkvzba)
     launch = launch_for(shape)
-    heads_blocks = triton.cdiv(seq, launch.forward_tokens)
-    conv_blocks = triton.cdiv(seq, launch.conv_tokens)
+    blocks = triton.cdiv(seq, launch.backward_tokens - shape.conv_width + 1)
     channels = shape.conv_channels
     f32 = dict(dtype=torch.float32, device=device)
-    # the kernels write every partial (one row per program); no program runs on empty input
+    # the kernel writes every partial (one row per program); no program runs on empty input
     new = torch.empty if seq and batch else torch.zeros
-    da_partial = new(batch * heads_blocks, hv, **f32)
-    ddt_partial = new(batch * heads_blocks, hv, **f32)
-    dw_partial = new(batch * conv_blocks, channels, shape.conv_width, **f32)
-    db_partial = new(batch * conv_blocks, channels, **f32)
+    da_partial = new(batch * blocks, hv, **f32)
+    ddt_partial = new(batch * blocks, hv, **f32)
+    dw_partial = new(batch * blocks, channels, shape.conv_width, **f32)
+    db_partial = new(batch * blocks, channels, **f32)
     if seq and batch:
         weight = conv_weight.view(channels, -1)
-        dact = torch.empty(batch, seq, 2 * hk * shape.key_dim, dtype=dtype, device=device)
-        common = dict(S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1),
-                      w_stride_c=weight.stride(0), w_stride_k=weight.stride(1),
-                      dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1), **_dims(shape))
-        flags = _flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps)
-        pre_gdr_bwd_heads[(2 * hk + 1, heads_blocks, batch)](
+        pre_gdr_bwd[(2 * hk + hv + 1, blocks, batch)](
             x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias,
-            seq_start=seq_start, dq=dq, dk=dk, dg=dg, dbeta=dbeta, dact=dact, dx=dqkvzba,
-            da_partial=da_partial, ddt_partial=ddt_partial, blocks=heads_blocks, **common,
-            BT=launch.forward_tokens, BDK=_block(shape.key_dim), BH=_block(hv), **flags,
-            num_warps=launch.warps,
-        )
-        del flags["EPS"], flags["USE_QK_L2NORM"]
-        pre_gdr_bwd_conv[(triton.cdiv(channels, launch.conv_channels), conv_blocks, batch)](
-            x=qkvzba, w=weight, bias=conv_bias, seq_start=seq_start, dact=dact, dv=dv,
-            dx=dqkvzba, dw_partial=dw_partial, db_partial=db_partial, blocks=conv_blocks,
-            **common, BT=launch.conv_tokens, BC=launch.conv_channels, **flags,
-            num_warps=launch.warps,
+            seq_start=seq_start, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dx=dqkvzba,
+            dw_partial=dw_partial, db_partial=db_partial, da_partial=da_partial,
+            ddt_partial=ddt_partial,
+            S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1), w_stride_c=weight.stride(0),
+            w_stride_k=weight.stride(1), dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1),
+            blocks=blocks, **_dims(shape),
+            BT=launch.backward_tokens, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
+            BH=_block(hv), **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
+            num_warps=launch.backward_warps,
         )
     # fixed-order fp32 sums of the partials, one rounding each
     dweight = dw_partial.sum(0).view(conv_weight.shape).to(conv_weight.dtype)

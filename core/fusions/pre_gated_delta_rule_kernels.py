@@ -220,38 +220,103 @@ def pre_gdr_fwd(
 
 
 @triton.jit
-def _bwd_key_head(x_b, w, bias, grad, dact, t, t_mask, tok, start, head, kh, ss, w_stride_c,
-                  w_stride_k, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                  K: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr,
-                  EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):
-    """dact of q/k head ``head``: the head repeat's gradient summed, then the l2norm backward."""
-    DTYPE: tl.constexpr = dact.dtype.element_ty
+def _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
+                            r_mask, own, start, chans, chan_mask, seq_start, S, ss, w_stride_c,
+                            w_stride_k, C: tl.constexpr, K: tl.constexpr,
+                            CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            VARLEN: tl.constexpr):
+    """From the gradient at the activation's output (``dact``, rows ``r``), the block's dw / db
+    partials over its own rows and dx of those rows. dx[t] needs dpre at t .. t + K - 1: the
+    block's rows past its own (the halo) are computed here, and reached by gathering the tile
+    shifted by i rows (no recomputation per shift)."""
+    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
+    BT: tl.constexpr = pre.shape[0]
+    m = r_mask[:, None] & chan_mask[None, :]
+    p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
+    dpre = tl.where(m, dact * _activation_grad(p, "silu"), 0.0)
+    owned = tl.where(own[:, None], dpre, 0.0)
+    part = part_row * C + chans
+    for j in tl.static_range(K):
+        src = r - (K - 1) + j
+        xm = ((src >= start) & r_mask)[:, None] & chan_mask[None, :]
+        xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=xm, other=0.0)
+        tl.store(dw_partial + part * K + j, tl.sum(owned * xv.to(tl.float32), 0), mask=chan_mask)
+    if HAS_BIAS:
+        tl.store(db_partial + part, tl.sum(owned, 0), mask=chan_mask)
+    local = tl.arange(0, BT)
+    dxs = tl.zeros_like(dpre)
+    for i in tl.static_range(K):
+        if i == 0:
+            shifted = dpre
+        else:  # row t of ``shifted``: dpre at t + i (the clamped rows are past the own rows)
+            index = tl.broadcast_to(tl.minimum(local + i, BT - 1)[:, None], dpre.shape)
+            shifted = tl.gather(dpre, index, 0)
+        if VARLEN:  # dpre[t + i] reaches dx[t] only within t's sequence
+            s = r + i
+            same = tl.load(seq_start + s, mask=s < S, other=S) <= r
+            shifted = tl.where(same[:, None], shifted, 0.0)
+        wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=chan_mask, other=0.0)
+        dxs += shifted * wi.to(tl.float32)[None, :]
+    tl.store(dx_rows + chans[None, :], _round_to(dxs, DTYPE).to(DTYPE),
+             mask=own[:, None] & chan_mask[None, :])
+
+
+@triton.jit
+def _bwd_key_head(x_b, w, bias, grad, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
+                  own, tok, start, seq_start, head, kh, S, ss, w_stride_c, w_stride_k,
+                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  K: tl.constexpr, R: tl.constexpr, BDK: tl.constexpr, EPS: tl.constexpr,
+                  USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
+    """q/k head ``head``: the head repeat's gradient summed, the l2norm backward (dact), then
+    the conv's backward of its channels."""
+    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
     d = tl.arange(0, BDK)
     d_mask = d < DK
-    m = t_mask[:, None] & d_mask[None, :]
-    dy = tl.zeros((BT, BDK), dtype=tl.float32)
+    chans = head * DK + d
+    m = r_mask[:, None] & d_mask[None, :]
+    dy = tl.zeros((r.shape[0], BDK), dtype=tl.float32)
     for i in tl.static_range(R):
         dy += tl.load(grad + (tok * HV + kh * R + i) * DK + d[None, :], mask=m,
                       other=0.0).to(tl.float32)
     if R > 1:
         dy = _round_to(dy, DTYPE)
+    pre = _conv_pre(x_b, r, r_mask, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
+                    K, HAS_BIAS)
     if USE_QK_L2NORM:
-        pre = _conv_pre(x_b, t, t_mask, start, head * DK + d, d_mask, w, w_stride_c,
-                        w_stride_k, bias, ss, K, HAS_BIAS)
         y = _conv_act(pre, DTYPE, CONV_ROUNDING)
         rstd = _l2_rstd(y, EPS)
         y = y * rstd[:, None]
-        dy = dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None]
-    tl.store(dact + tok * (2 * HK * DK) + head * DK + d[None, :], _round_to(dy, DTYPE).to(DTYPE),
-             mask=m)
+        dy = _round_to(dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None],
+                       DTYPE)
+    _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dy, r,
+                            r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
+                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
 
 
 @triton.jit
-def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx, da_partial, ddt_partial, t, t_mask, tok, b,
-               block, blocks, ss, dx_sb, dx_ss, HK: tl.constexpr, HV: tl.constexpr,
-               DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr):
-    DTYPE: tl.constexpr = dx.dtype.element_ty
+def _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
+                    own, tok, start, seq_start, vh, S, ss, w_stride_c, w_stride_k,
+                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    K: tl.constexpr, BDV: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
+    d = tl.arange(0, BDV)
+    d_mask = d < DV
+    chans = 2 * HK * DK + vh * DV + d
+    m = r_mask[:, None] & d_mask[None, :]
+    dact = tl.load(dv + (tok * HV + vh) * DV + d[None, :], mask=m, other=0.0).to(tl.float32)
+    pre = _conv_pre(x_b, r, r_mask, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
+                    K, HAS_BIAS)
+    _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
+                            r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
+                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
+
+
+@triton.jit
+def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial, part_row, t,
+               t_mask, tok, ss, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BH: tl.constexpr):
+    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
     beta_in, z, a, h, h_mask, m = _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK, HV, DK,
                                                 DV, BH)
     grad_off = tok * HV + h[None, :]
@@ -259,103 +324,58 @@ def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx, da_partial, ddt_partial, t, t
     dz = dg_v * -a[None, :] * _exact_sigmoid(z)  # d g / d (alpha + dt_bias)
     sb_ = _exact_sigmoid(beta_in)
     dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
-    dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss + (2 * HK * DK + 2 * HV * DV)
-    tl.store(dx_rows + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
+    dx_decay = dx_rows + (2 * HK * DK + 2 * HV * DV)
+    tl.store(dx_decay + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
              mask=m)
-    tl.store(dx_rows + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
-    part = (b * blocks + block) * HV + h
+    tl.store(dx_decay + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
+    part = part_row * HV + h
     # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
     tl.store(da_partial + part, tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0), mask=h_mask)
     tl.store(ddt_partial + part, tl.sum(tl.where(m, dz, 0.0), 0), mask=h_mask)
 
 
 @triton.jit
-def pre_gdr_bwd_heads(
-    x, w, bias, a_log, dt_bias, seq_start, dq, dk, dg, dbeta, dact, dx, da_partial, ddt_partial,
+def pre_gdr_bwd(
+    x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dx,
+    dw_partial, db_partial, da_partial, ddt_partial,
     S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BDK: tl.constexpr, BH: tl.constexpr,
+    BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr,
     EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Program (head, token block, batch): head < 2 HK writes dact of a q/k head ([B, S,
-    2 HK DK]); the last writes dbeta_in and dalpha into dx and the block's dA / ddt_bias
-    partials (row ``batch * blocks + block``)."""
+    """Program (head, token block, batch), heads as in ``pre_gdr_fwd``. A block owns
+    OWN = BT - K + 1 tokens from ``block * OWN`` and computes dpre on all BT (its K - 1 last rows
+    are the next block's first). q/k and v heads: dx of their channels and the block's dw / db
+    partials; the last: dbeta_in, dalpha and the block's dA / ddt_bias partials. Partials: row
+    ``batch * blocks + block``."""
     head = tl.program_id(0)
     block = tl.program_id(1)
-    t, t_mask = _token_rows(block, S, BT)
     b = tl.program_id(2).to(tl.int64)
+    OWN: tl.constexpr = BT - K + 1
+    local = tl.arange(0, BT)
+    r = block * OWN + local
+    r_mask = r < S
+    own = r_mask & (local < OWN)
     x_b = x + b * sb
+    dx_rows = dx + b * dx_sb + r.to(tl.int64)[:, None] * dx_ss
+    part_row = b * blocks + block
     R: tl.constexpr = HV // HK
-    tok = (b * S + t.to(tl.int64))[:, None]
-    start = _sequence_start(seq_start, t, t_mask, VARLEN)
+    tok = (b * S + r.to(tl.int64))[:, None]
+    start = _sequence_start(seq_start, r, r_mask, VARLEN)
     if head < HK:
-        _bwd_key_head(x_b, w, bias, dq, dact, t, t_mask, tok, start, head, head, ss, w_stride_c,
-                      w_stride_k, HK, HV, DK, K, R, BT, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING,
-                      HAS_BIAS)
+        _bwd_key_head(x_b, w, bias, dq, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
+                      own, tok, start, seq_start, head, head, S, ss, w_stride_c, w_stride_k, HK,
+                      HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN)
     elif head < 2 * HK:
-        _bwd_key_head(x_b, w, bias, dk, dact, t, t_mask, tok, start, head, head - HK, ss,
-                      w_stride_c, w_stride_k, HK, HV, DK, K, R, BT, BDK, EPS, USE_QK_L2NORM,
-                      CONV_ROUNDING, HAS_BIAS)
+        _bwd_key_head(x_b, w, bias, dk, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
+                      own, tok, start, seq_start, head, head - HK, S, ss, w_stride_c, w_stride_k,
+                      HK, HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS,
+                      VARLEN)
+    elif head < 2 * HK + HV:
+        _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
+                        own, tok, start, seq_start, head - 2 * HK, S, ss, w_stride_c, w_stride_k,
+                        HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS, VARLEN)
     else:
-        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx, da_partial, ddt_partial, t, t_mask, tok,
-                   b, block, blocks, ss, dx_sb, dx_ss, HK, HV, DK, DV, BH)
-
-
-@triton.jit
-def pre_gdr_bwd_conv(
-    x, w, bias, seq_start, dact, dv, dx, dw_partial, db_partial,
-    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
-    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
-    CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """Program (channel block, token block, batch) of the convolution's backward: dx of the
-    block's q/k/v channels (from dact, or from dv for v channels), and the block's dw / db
-    partials (row ``batch * blocks + block``). BC divides HK DK and HV DV, so a channel block
-    lies in one of dact and dv."""
-    cblock = tl.program_id(0)
-    block = tl.program_id(1)
-    t, t_mask = _token_rows(block, S, BT)
-    b = tl.program_id(2).to(tl.int64)
-    x_b = x + b * sb
-    DTYPE: tl.constexpr = dx.dtype.element_ty
-    QK: tl.constexpr = 2 * HK * DK
-    C: tl.constexpr = QK + HV * DV
-    chans = cblock * BC + tl.arange(0, BC)
-    c_mask = chans < C
-    start = _sequence_start(seq_start, t, t_mask, VARLEN)
-    is_qk = cblock * BC < QK  # a block lies in one of dact and dv
-    dxs = tl.zeros((BT, BC), dtype=tl.float32)
-    for i in tl.static_range(K):
-        # dpre at tokens t + i, which reach dx[t] through w[:, K - 1 - i]
-        s = t + i
-        s_ok = (s < S) & t_mask
-        s_start = _sequence_start(seq_start, s, s_ok, VARLEN)
-        s_ok = s_ok & (s_start <= t)
-        m = s_ok[:, None] & c_mask[None, :]
-        pre = _conv_pre(x_b, s, s_ok, s_start, chans, c_mask, w, w_stride_c, w_stride_k, bias,
-                        ss, K, HAS_BIAS)
-        s64 = (b * S + s.to(tl.int64))[:, None]
-        if is_qk:
-            da = tl.load(dact + s64 * QK + chans[None, :], mask=m, other=0.0).to(tl.float32)
-        else:
-            da = tl.load(dv + s64 * (HV * DV) + (chans - QK)[None, :], mask=m,
-                         other=0.0).to(tl.float32)
-        p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
-        dpre = tl.where(m, da * _activation_grad(p, "silu"), 0.0)
-        wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=c_mask, other=0.0)
-        dxs += dpre * wi.to(tl.float32)[None, :]
-        if i == 0:
-            part = (b * blocks + block) * C + chans
-            for j in tl.static_range(K):
-                src = t - (K - 1) + j
-                xm = ((src >= start) & t_mask)[:, None] & c_mask[None, :]
-                xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=xm,
-                             other=0.0).to(tl.float32)
-                tl.store(dw_partial + part * K + j, tl.sum(dpre * xv, 0), mask=c_mask)
-            if HAS_BIAS:
-                tl.store(db_partial + part, tl.sum(dpre, 0), mask=c_mask)
-    m = t_mask[:, None] & c_mask[None, :]
-    dx_rows = dx + b * dx_sb + t.to(tl.int64)[:, None] * dx_ss
-    tl.store(dx_rows + chans[None, :], _round_to(dxs, DTYPE).to(DTYPE), mask=m)
+        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial, part_row, r,
+                   own, tok, ss, HK, HV, DK, DV, BH)

@@ -392,9 +392,10 @@ def test_region_shape_and_launch():
     assert shape.conv_channels == 2 * 2 * 12 + 4 * 24
     assert shape.features == shape.conv_channels + 4 * 24 + 2 * 4
     assert shape.gate_slice == slice(144, 240)
-    # a conv-backward channel block lies in the q/k or the v channels: it divides both
-    assert launch_for(shape).conv_channels == 16  # the largest power of two dividing 48 and 96
-    assert launch_for(RegionShape(16, 32, 128, 128, 4)).conv_channels == 64
+    # a backward block owns backward_tokens - K + 1 tokens, at least half of its rows
+    for width in (1, 2, 4, 17, 40):
+        rows = launch_for(shape._replace(conv_width=width)).backward_tokens
+        assert rows & (rows - 1) == 0 and rows - width + 1 >= rows // 2, width
 
 
 # -------------------------------------------------------------------------------- empty inputs
@@ -438,7 +439,7 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for name in ("pre_gdr_fwd", "pre_gdr_bwd_heads", "pre_gdr_bwd_conv"):
+    for name in ("pre_gdr_fwd", "pre_gdr_bwd"):
         monkeypatch.setattr(fpg, name, _NoLaunch(name))
 
 

@@ -1,5 +1,6 @@
 """tools/pre_gdr_benchmark.py on the CPU: its byte floor, its inputs and region call against the
-reference, and its refusal without a GPU (the timings and parity need one)."""
+reference, its launch sweep's candidates, and its refusal without a GPU (the timings and parity
+need one)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,18 @@ def test_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--quick"])
+
+
+def test_sweep_varies_one_kernel_at_a_time():
+    default = bench.region.Launch(forward_tokens=32, forward_warps=4, backward_tokens=32,
+                                  backward_warps=4)
+    seen = {}
+    for kernel, launch in bench.sweep_candidates(default):
+        changed = {f for f in launch._fields if getattr(launch, f) != getattr(default, f)}
+        assert changed <= set(bench.SWEEP[kernel]), (kernel, changed)
+        seen.setdefault(kernel, set()).add(launch)
+    for kernel, fields in bench.SWEEP.items():
+        count = 1
+        for values in fields.values():
+            count *= len(values)
+        assert len(seen[kernel]) == count, kernel  # every combination, none twice

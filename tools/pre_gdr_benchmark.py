@@ -196,7 +196,7 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
 SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 4)]
 SWEEP = {  # kernel: the Launch fields it reads and their candidates
     "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
-    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (2, 4, 8, 16)},
+    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (4, 8, 16)},
 }
 
 

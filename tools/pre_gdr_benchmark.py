@@ -235,9 +235,9 @@ def sweep(out_dir: str) -> dict:
             for kernel, row in best.items():
                 log(f"{batch}x{seq}x{hv} {kernel:>8} best {row['us']:8.1f} us "
                     f"{ {k: v for k, v in row['launch'].items() if k in SWEEP[kernel]} }")
+            write_json(results, out_dir, "pre_gdr_launch_sweep.json")  # after every shape
     finally:
         region.launch_for = default_for
-    write_json(results, out_dir, "pre_gdr_launch_sweep.json")
     return results
 
 

@@ -207,12 +207,12 @@ def sweep_candidates(default: region.Launch):
             yield kernel, default._replace(**dict(zip(fields, values)))
 
 
-def sweep(out_dir: str) -> dict:
+def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
     """GPU time of forward_impl or backward_impl per launch."""
     results = {"env": environment(), "rows": []}
     default_for = region.launch_for
     try:
-        for batch, seq, hv in SWEEP_SHAPES:
+        for batch, seq, hv in shapes:
             qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv)
             shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
                                                       **heads(hv))
@@ -244,13 +244,14 @@ def sweep(out_dir: str) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/benchmark", help="folder for the JSON")
-    parser.add_argument("--quick", action="store_true", help="S = 4096, B = 1 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="S = 4096, B = 1 only (with --sweep: 32 value heads only)")
     parser.add_argument("--parity", action="store_true", help="also the parity report")
     parser.add_argument("--sweep", action="store_true", help="only the launch sweep")
     args = parser.parse_args(argv)
     require_cuda("pre_gdr_benchmark.py")
     if args.sweep:
-        sweep(args.out)
+        sweep(args.out, SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES)
         return
     run(QUICK_SHAPES if args.quick else SHAPES, args.out, args.parity)
 

@@ -378,10 +378,11 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
 
 
 def _is_view_of(grad: torch.Tensor, slot: torch.Tensor) -> bool:
-    """Whether ``grad`` ([B, S, H, D]) is the memory of ``slot`` ([B, S, H * D]) already."""
-    batch, seq, heads, dim = grad.shape
-    return (grad.data_ptr() == slot.data_ptr() and grad.stride()[:2] == slot.stride()[:2]
-            and (heads == 1 or grad.stride(2) == dim) and (dim == 1 or grad.stride(3) == 1))
+    """Whether ``grad`` ([B, S, H, D]) is the memory of ``slot`` ([B, S, H * D]) already (the
+    stride of a size-1 dimension, e.g. B = 1, does not matter)."""
+    view = slot.view(grad.shape)
+    return grad.data_ptr() == view.data_ptr() and all(
+        size == 1 or a == b for size, a, b in zip(grad.shape, grad.stride(), view.stride()))
 
 
 def fused_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *,

@@ -180,13 +180,15 @@ def test_fused_layer_uses_silu_conv_config():
                                    gdn_pre_gated_delta_rule_fusion=True))
 
 
-def test_both_flags_write_the_gate_gradient_in_place(monkeypatch):
+@pytest.mark.parametrize("batch", [1, BATCH])
+def test_both_flags_write_the_gate_gradient_in_place(monkeypatch, batch):
     """With both fusions on, the output norm's backward writes dgate into the region's gradient
-    buffer: the region's backward copies nothing into it."""
+    buffer: the region's backward copies nothing into it (batch 1 included, where the buffer's
+    batch stride is any)."""
     from core.fusions import fused_pre_gated_delta_rule as region
 
     _, fused = _layers(torch.float32, fused_gated_norm=True)
-    x, dy = layer_inputs(SEQ, BATCH, HIDDEN, torch.float32, seed=7)
+    x, dy = layer_inputs(SEQ, batch, HIDDEN, torch.float32, seed=7)
     views = []
     original = region._is_view_of
     monkeypatch.setattr(region, "_is_view_of",

@@ -177,8 +177,9 @@ class Launch(NamedTuple):
 
 
 def launch_for(shape: RegionShape) -> Launch:
-    # the backward's block owns backward_tokens - K + 1 tokens: at least half of its rows
-    rows = max(32, triton.next_power_of_2(2 * shape.conv_width))
+    # the backward's block owns backward_tokens - K + 1 tokens: at least half of its rows; 64
+    # rows x 4 warps: the sweep's best at 32 value heads (docs/results/pre_gdr_backward_sweep*)
+    rows = max(64, triton.next_power_of_2(2 * shape.conv_width))
     return Launch(forward_tokens=16, forward_warps=4, backward_tokens=rows, backward_warps=4)
 
 

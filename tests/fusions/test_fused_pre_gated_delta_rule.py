@@ -122,6 +122,31 @@ def test_matches_the_reference(case, dtype):
     assert (grads[0].transpose(0, 1) if sbhd_view else grads[0]).is_contiguous()
 
 
+# The backward's launch choices on several blocks: 16 rows (13 own at K = 4) over S = 37 make
+# three, where the default's 64 make one; the halo gathered or read back from the scratch.
+BACKWARD_LAUNCHES = [(16, "gather"), (16, "scratch"), (64, "scratch")]
+
+
+@pytest.mark.parametrize("rows, halo", BACKWARD_LAUNCHES,
+                         ids=[f"{rows}_rows-{halo}" for rows, halo in BACKWARD_LAUNCHES])
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_backward_launches(rows, halo, packed, monkeypatch):
+    """Every backward launch against the reference, and d(qkvzba) the same bits as the default
+    launch's (dw's partials are summed per block, so their grouping follows the launch)."""
+    region = Region()
+    if packed:
+        region, inputs, cu_seqlens = _packed_inputs(UNEQUAL, torch.bfloat16)
+        options = dict(cu_seqlens=cu_seqlens)
+    else:
+        inputs, options = make_region(region, 2, 37, torch.bfloat16), {}
+    _, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
+    default = fpg.launch_for
+    monkeypatch.setattr(fpg, "launch_for", lambda shape: default(shape)._replace(
+        backward_tokens=rows, backward_halo=halo))
+    _, grads = compare_with_reference(inputs, region, **options)
+    assert torch.equal(grads[0], default_grads[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp32_parameters_with_low_precision_activations(dtype):
     """fp32 conv weight and bias, A_log and dt_bias beside bf16 / fp16 activations: g takes

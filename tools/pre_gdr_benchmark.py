@@ -2,6 +2,7 @@
 
     python tools/pre_gdr_benchmark.py [--out DIR] [--quick]   # GPU: pre_gdr_benchmark.json
     python tools/pre_gdr_benchmark.py --sweep [--out DIR]     # GPU: pre_gdr_launch_sweep.json
+    python tools/pre_gdr_benchmark.py --backward-parts        # GPU: pre_gdr_backward_parts.json
 
 The region: the bshd in_proj output to q, k, v, g, beta (Qwen3-Next per-rank sizes: key and
 value head dims 128, conv width 4, 2 value heads per key head). Per shape, GPU time (CUDA graph
@@ -15,13 +16,18 @@ run). Parity (--parity): the share of bitwise-equal elements of ours against meg
 steps (FLA's kernels, the methods unwrapped), worst ulp distance, and the gradients' error
 against a float64 reference beside the unfused path's. Sweep (--sweep): each kernel's GPU time
 over its launch choices (``launch_for``'s fields), the other kernels at their defaults.
+Backward parts (--backward-parts): the backward's GPU time at 32 value heads with steps of its
+kernel left out (BACKWARD_STEPS, in a copy of the kernels' module) or the L2 norm off: what
+each step costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
+import tempfile
 import traceback
 import types
 from pathlib import Path
@@ -31,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import core.fusions.fused_pre_gated_delta_rule as region  # noqa: E402
+import core.fusions.pre_gated_delta_rule_kernels as kernels  # noqa: E402
 from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule  # noqa: E402
 from core.fusions.gated_norm_reference import (bitwise_share, relative_error,  # noqa: E402
                                                ulp_distance)
@@ -196,7 +203,7 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
 SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 4)]
 SWEEP = {  # kernel: the Launch fields it reads and their candidates
     "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
-    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (4, 8, 16)},
+    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (2, 4, 8)},
 }
 
 
@@ -241,6 +248,60 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
     return results
 
 
+# Steps of pre_gdr_bwd that --backward-parts leaves out: (the kernel's line, its replacement).
+BACKWARD_STEPS = {
+    "halo_gather": ("shifted = tl.gather(dpre, index, 0)", "shifted = dpre"),
+    "dw_partials": ("tl.store(dw_partial + part * K + j, tl.sum(owned * xv.to(tl.float32), 0), "
+                    "mask=chan_mask)", "pass"),
+}
+BACKWARD_PARTS = [((), True), (("halo_gather",), True), (("dw_partials",), True),
+                  (("halo_gather", "dw_partials"), True), ((), False)]  # (left out, l2norm)
+
+
+def kernels_without(steps):
+    """A copy of the kernels' module with ``steps`` (BACKWARD_STEPS) left out."""
+    source = Path(kernels.__file__).read_text()
+    for step in steps:
+        line, replacement = BACKWARD_STEPS[step]
+        if line not in source:
+            raise RuntimeError(f"--backward-parts: the kernel has no line {line!r} ({step})")
+        source = source.replace(line, replacement)
+    name = "pre_gdr_kernels_without_" + "_".join(steps)
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)  # triton.jit reads the source from the file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def backward_parts(out_dir: str, shapes=SWEEP_SHAPES[:1]) -> dict:
+    """GPU time of backward_impl (default launch) per BACKWARD_PARTS case."""
+    results = {"env": environment(), "rows": []}
+    full = region.pre_gdr_bwd
+    try:
+        for batch, seq, hv in shapes:
+            qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv)
+            shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
+                                                      **heads(hv))
+            grads = [torch.randn_like(o) for o in region.forward_impl(
+                qkvzba, weight, None, a_log, dt_bias, shape)]
+            for steps, l2norm in BACKWARD_PARTS:
+                region.pre_gdr_bwd = kernels_without(steps).pre_gdr_bwd if steps else full
+                us = bench_graph(lambda l2norm=l2norm: region.backward_impl(
+                    qkvzba, weight, None, a_log, dt_bias, shape, *grads, use_qk_l2norm=l2norm))
+                left_out = list(steps) + ([] if l2norm else ["l2norm_backward"])
+                results["rows"].append({"batch": batch, "seq": seq, "value_heads": hv,
+                                        "launch": region.launch_for(shape)._asdict(),
+                                        "left_out": left_out, "us": us})
+                log(f"{batch}x{seq}x{hv} without {left_out or 'nothing'}: {us:8.1f} us")
+            write_json(results, out_dir, "pre_gdr_backward_parts.json")
+    finally:
+        region.pre_gdr_bwd = full
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/benchmark", help="folder for the JSON")
@@ -248,8 +309,13 @@ def main(argv=None) -> None:
                         help="S = 4096, B = 1 only (with --sweep: 32 value heads only)")
     parser.add_argument("--parity", action="store_true", help="also the parity report")
     parser.add_argument("--sweep", action="store_true", help="only the launch sweep")
+    parser.add_argument("--backward-parts", action="store_true",
+                        help="only the backward's time with steps of its kernel left out")
     args = parser.parse_args(argv)
     require_cuda("pre_gdr_benchmark.py")
+    if args.backward_parts:
+        backward_parts(args.out)
+        return
     if args.sweep:
         sweep(args.out, SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES)
         return

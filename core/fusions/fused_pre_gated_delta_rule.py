@@ -174,13 +174,14 @@ class Launch(NamedTuple):
     forward_warps: int
     backward_tokens: int  # rows per program of the backward: its own tokens and K - 1 more
     backward_warps: int
-    backward_halo: str = "gather"  # how a row reaches dpre K - 1 rows on: "gather" or "scratch"
 
 
 def launch_for(shape: RegionShape) -> Launch:
-    # the backward's block owns backward_tokens - K + 1 tokens: at least half of its rows; 64
-    # rows x 4 warps: the sweep's best at 32 value heads (docs/results/pre_gdr_backward_sweep*)
-    rows = max(64, triton.next_power_of_2(2 * shape.conv_width))
+    # The backward's block owns backward_tokens - K + 1 tokens: at least half of its rows. 64
+    # rows x 4 warps at 16 or more q / k / v heads, 32 below, where more blocks fill the GPU:
+    # the fastest of 16-64 rows at 32, 8 and 4 value heads, S = 4096 (pre_gdr_backward_sweep*).
+    rows = 64 if 2 * shape.key_heads + shape.value_heads >= 16 else 32
+    rows = max(rows, triton.next_power_of_2(2 * shape.conv_width))
     return Launch(forward_tokens=16, forward_warps=4, backward_tokens=rows, backward_warps=4)
 
 
@@ -258,9 +259,6 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     f32 = dict(dtype=torch.float32, device=device)
     # the kernel writes every partial (one row per program); no program runs on empty input
     new = torch.empty if seq and batch else torch.zeros
-    slot = launch.backward_tokens * max(_block(shape.key_dim), _block(shape.value_dim))
-    scratch = (torch.empty(batch * blocks * (2 * hk + hv), slot, **f32)
-               if launch.backward_halo == "scratch" and seq and batch else None)
     da_partial = new(batch * blocks, hv, **f32)
     ddt_partial = new(batch * blocks, hv, **f32)
     dw_partial = new(batch * blocks, channels, shape.conv_width, **f32)
@@ -271,13 +269,13 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
             x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias,
             seq_start=seq_start, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dx=dqkvzba,
             dw_partial=dw_partial, db_partial=db_partial, da_partial=da_partial,
-            ddt_partial=ddt_partial, scratch=scratch,
+            ddt_partial=ddt_partial,
             S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1), w_stride_c=weight.stride(0),
             w_stride_k=weight.stride(1), dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1),
             blocks=blocks, **_dims(shape),
             BT=launch.backward_tokens, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
             BH=_block(hv), **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
-            HALO=launch.backward_halo, num_warps=launch.backward_warps,
+            num_warps=launch.backward_warps,
         )
     # fixed-order fp32 sums of the partials, one rounding each
     dweight = dw_partial.sum(0).view(conv_weight.shape).to(conv_weight.dtype)

@@ -222,14 +222,13 @@ def pre_gdr_fwd(
 @triton.jit
 def _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
                             r_mask, own, start, chans, chan_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, slot, C: tl.constexpr, K: tl.constexpr,
+                            w_stride_k, C: tl.constexpr, K: tl.constexpr,
                             CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            VARLEN: tl.constexpr, HALO: tl.constexpr):
+                            VARLEN: tl.constexpr):
     """From the gradient at the activation's output (``dact``, rows ``r``), the block's dw / db
     partials over its own rows and dx of those rows. dx[t] needs dpre at t .. t + K - 1: the
-    block's rows past its own (the halo) are computed here, and the tile shifted by i rows is
-    reached (no recomputation per shift) by a gather (HALO "gather") or by reading it back from
-    the program's own fp32 ``slot`` of [BT, BD] (HALO "scratch")."""
+    block's rows past its own (the halo) are computed here, and reached by gathering the tile
+    shifted by i rows (no recomputation per shift)."""
     DTYPE: tl.constexpr = dx_rows.dtype.element_ty
     BT: tl.constexpr = pre.shape[0]
     m = r_mask[:, None] & chan_mask[None, :]
@@ -245,18 +244,10 @@ def _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, p
     if HAS_BIAS:
         tl.store(db_partial + part, tl.sum(owned, 0), mask=chan_mask)
     local = tl.arange(0, BT)
-    BD: tl.constexpr = pre.shape[1]
-    cols = tl.arange(0, BD)[None, :]
-    if HALO == "scratch":
-        tl.store(slot + local[:, None] * BD + cols, dpre)
-        tl.debug_barrier()  # the rows other threads stored, visible to this CTA
     dxs = tl.zeros_like(dpre)
     for i in tl.static_range(K):
         if i == 0:
             shifted = dpre
-        elif HALO == "scratch":  # rows past the tile are past the own rows: read as 0
-            shifted = tl.load(slot + (local + i)[:, None] * BD + cols,
-                              mask=(local + i < BT)[:, None], other=0.0)
         else:  # row t of ``shifted``: dpre at t + i (the clamped rows are past the own rows)
             index = tl.broadcast_to(tl.minimum(local + i, BT - 1)[:, None], dpre.shape)
             shifted = tl.gather(dpre, index, 0)
@@ -272,11 +263,11 @@ def _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, p
 
 @triton.jit
 def _bwd_key_head(x_b, w, bias, grad, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                  own, tok, start, seq_start, head, kh, S, ss, w_stride_c, w_stride_k, slot,
+                  own, tok, start, seq_start, head, kh, S, ss, w_stride_c, w_stride_k,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   K: tl.constexpr, R: tl.constexpr, BDK: tl.constexpr, EPS: tl.constexpr,
                   USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HALO: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
     """q/k head ``head``: the head repeat's gradient summed, the l2norm backward (dact), then
     the conv's backward of its channels."""
     DTYPE: tl.constexpr = dx_rows.dtype.element_ty
@@ -300,16 +291,15 @@ def _bwd_key_head(x_b, w, bias, grad, dx_rows, dw_partial, db_partial, part_row,
                        DTYPE)
     _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dy, r,
                             r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, slot, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS,
-                            VARLEN, HALO)
+                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
 
 
 @triton.jit
 def _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                    own, tok, start, seq_start, vh, S, ss, w_stride_c, w_stride_k, slot,
+                    own, tok, start, seq_start, vh, S, ss, w_stride_c, w_stride_k,
                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     K: tl.constexpr, BDV: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HALO: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
     d = tl.arange(0, BDV)
     d_mask = d < DV
     chans = 2 * HK * DK + vh * DV + d
@@ -319,8 +309,7 @@ def _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row,
                     K, HAS_BIAS)
     _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
                             r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, slot, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS,
-                            VARLEN, HALO)
+                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
 
 
 @triton.jit
@@ -348,19 +337,18 @@ def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial,
 @triton.jit
 def pre_gdr_bwd(
     x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dx,
-    dw_partial, db_partial, da_partial, ddt_partial, scratch,
+    dw_partial, db_partial, da_partial, ddt_partial,
     S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr,
     EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HALO: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Program (head, token block, batch), heads as in ``pre_gdr_fwd``. A block owns
     OWN = BT - K + 1 tokens from ``block * OWN`` and computes dpre on all BT (its K - 1 last rows
     are the next block's first). q/k and v heads: dx of their channels and the block's dw / db
     partials; the last: dbeta_in, dalpha and the block's dA / ddt_bias partials. Partials: row
-    ``batch * blocks + block``; HALO "scratch": ``scratch`` holds BT x max(BDK, BDV) fp32 per
-    q/k/v program, slot ``part_row * (2 HK + HV) + head``."""
+    ``batch * blocks + block``."""
     head = tl.program_id(0)
     block = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -375,24 +363,19 @@ def pre_gdr_bwd(
     R: tl.constexpr = HV // HK
     tok = (b * S + r.to(tl.int64))[:, None]
     start = _sequence_start(seq_start, r, r_mask, VARLEN)
-    slot = scratch  # None unless HALO == "scratch"
-    if HALO == "scratch":
-        SLOT: tl.constexpr = BT * max(BDK, BDV)
-        slot = scratch + (part_row * (2 * HK + HV) + head) * SLOT
     if head < HK:
         _bwd_key_head(x_b, w, bias, dq, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                      own, tok, start, seq_start, head, head, S, ss, w_stride_c, w_stride_k,
-                      slot, HK, HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING,
-                      HAS_BIAS, VARLEN, HALO)
+                      own, tok, start, seq_start, head, head, S, ss, w_stride_c, w_stride_k, HK,
+                      HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN)
     elif head < 2 * HK:
         _bwd_key_head(x_b, w, bias, dk, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
                       own, tok, start, seq_start, head, head - HK, S, ss, w_stride_c, w_stride_k,
-                      slot, HK, HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING,
-                      HAS_BIAS, VARLEN, HALO)
+                      HK, HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS,
+                      VARLEN)
     elif head < 2 * HK + HV:
         _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
                         own, tok, start, seq_start, head - 2 * HK, S, ss, w_stride_c, w_stride_k,
-                        slot, HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS, VARLEN, HALO)
+                        HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS, VARLEN)
     else:
         _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial, part_row, r,
                    own, tok, ss, HK, HV, DK, DV, BH)

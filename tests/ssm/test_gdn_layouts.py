@@ -125,7 +125,8 @@ WORLDS = {
 # The same layouts with the fused region between in_proj and the recurrence
 # (gdn_pre_gated_delta_rule_fusion): heads and conv channels split over TP, the CP all-to-all
 # with its head permutation (conv weight / bias, A_log and dt_bias read as per-rank slices),
-# packed sequences alone and with CP, pipeline stages, recompute, the distributed optimizer.
+# packed sequences alone and with CP, pipeline stages, recompute, the distributed optimizer,
+# torch FSDP2.
 PRE_FUSION_WORLDS = {
     2: (
         Layout("tp2-sp", tp=2, sequence_parallel=True, pre_fusion=True),
@@ -143,6 +144,9 @@ PRE_FUSION_WORLDS = {
         Layout("thd-tp2-cp2-sp-recompute", tp=2, cp=2, sequence_parallel=True, packed=True,
                recompute=True, pre_fusion=True),
         Layout("tp2-dp2-distopt", tp=2, dp=2, distributed_optimizer=True, pre_fusion=True),
+        # megatron's torch FSDP2 wrapper: the region reads the all-gathered conv weight, A_log
+        # and dt_bias, whose gradients are reduce-scattered to the shards
+        Layout("torch-fsdp2-tp2-dp2", tp=2, dp=2, torch_fsdp2=True, pre_fusion=True),
     ),
 }
 # One spawn per group: (world size, pre_fusion) -> its layouts.

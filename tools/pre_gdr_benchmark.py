@@ -214,17 +214,22 @@ def sweep_candidates(default: region.Launch):
             yield kernel, default._replace(**dict(zip(fields, values)))
 
 
+def impl_inputs(batch, seq, hv, device="cuda"):
+    """What forward_impl and backward_impl take at this size: (qkvzba, conv weight, A_log,
+    dt_bias), the region's shape, and random gradients of the forward's outputs."""
+    qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv, device=device)
+    shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias, **heads(hv))
+    outs = region.forward_impl(qkvzba, weight, None, a_log, dt_bias, shape)
+    return (qkvzba, weight, a_log, dt_bias), shape, [torch.randn_like(o) for o in outs]
+
+
 def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
     """GPU time of forward_impl or backward_impl per launch."""
     results = {"env": environment(), "rows": []}
     default_for = region.launch_for
     try:
         for batch, seq, hv in shapes:
-            qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv)
-            shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
-                                                      **heads(hv))
-            outs = region.forward_impl(qkvzba, weight, None, a_log, dt_bias, shape)
-            grads = [torch.randn_like(o) for o in outs]
+            (qkvzba, weight, a_log, dt_bias), shape, grads = impl_inputs(batch, seq, hv)
             best = {}
             for kernel, launch in sweep_candidates(default_for(shape)):
                 region.launch_for = lambda _shape, launch=launch: launch
@@ -282,11 +287,7 @@ def backward_parts(out_dir: str, shapes=SWEEP_SHAPES[:1]) -> dict:
     full = region.pre_gdr_bwd
     try:
         for batch, seq, hv in shapes:
-            qkvzba, weight, a_log, dt_bias = region_inputs(batch, seq, hv)
-            shape = region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
-                                                      **heads(hv))
-            grads = [torch.randn_like(o) for o in region.forward_impl(
-                qkvzba, weight, None, a_log, dt_bias, shape)]
+            (qkvzba, weight, a_log, dt_bias), shape, grads = impl_inputs(batch, seq, hv)
             for steps, l2norm in BACKWARD_PARTS:
                 region.pre_gdr_bwd = kernels_without(steps).pre_gdr_bwd if steps else full
                 us = bench_graph(lambda l2norm=l2norm: region.backward_impl(

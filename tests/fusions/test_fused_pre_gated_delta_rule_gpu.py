@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import core.fusions.fused_pre_gated_delta_rule as fpg
 from core.fusions.fused_pre_gated_delta_rule import fused_pre_gated_delta_rule
 from core.fusions.pre_gated_delta_rule_reference import unfused_pre_gated_delta_rule
 from tests.gated_norm_checks import assert_bitwise_or_within_ulps, assert_no_less_accurate
@@ -121,13 +122,10 @@ def test_packed_sequences():
     assert_each_sequence_equals_it_alone(outputs, grads, inputs, region, UNEQUAL, cotangents)
 
 
-
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
 def test_backward_block_sizes_give_the_same_bits(packed, monkeypatch):
     """d(qkvzba) at TP 8's sizes bitwise equal with 16, 32 and 64 rows per backward block:
     each block's gathered halo rows are the next block's first rows."""
-    import core.fusions.fused_pre_gated_delta_rule as fpg
-
     batch, options = (1, dict(cu_seqlens=_cu_seqlens(UNEQUAL))) if packed else (2, {})
     inputs = make_region(TP8, batch, SEQ, torch.bfloat16, seed=5)
     default = fpg.launch_for
@@ -139,6 +137,7 @@ def test_backward_block_sizes_give_the_same_bits(packed, monkeypatch):
         results[rows] = grads[0]
     for rows, dx in results.items():
         assert torch.equal(dx, results[16]), rows
+
 
 def test_cuda_graph_replay_matches_eager():
     """Forward + backward captured in one graph (bshd, B = 2, no cu_seqlens), replayed on new

@@ -5,6 +5,7 @@ without a GPU (the timings and parity need one)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,21 +57,17 @@ def test_sweep_varies_one_kernel_at_a_time():
 def test_backward_parts_leave_their_steps_out(monkeypatch):
     """Each step's line is in the kernel (the copies cannot go stale unnoticed), and the copy
     without the halo's gather computes another d(qkvzba) from the same inputs."""
-    qkvzba, weight, a_log, dt_bias = bench.region_inputs(1, 40, 2, device="cpu")
-    shape = bench.region.check_pre_gated_delta_rule(qkvzba, weight, None, a_log, dt_bias,
-                                                    **bench.heads(2))
-    grads = [torch.randn_like(o) for o in bench.region.forward_impl(qkvzba, weight, None, a_log,
-                                                                   dt_bias, shape)]
+    (qkvzba, weight, a_log, dt_bias), shape, grads = bench.impl_inputs(1, 40, 2, device="cpu")
 
     def dx():
         out = bench.region.backward_impl(qkvzba, weight, None, a_log, dt_bias, shape, *grads)[0]
         return out[..., :shape.gate_slice.start].clone()  # the gate's slice is left unwritten
 
     full = dx()
-    copy = bench.kernels_without(tuple(bench.BACKWARD_STEPS))
-    source = open(copy.__file__).read()
+    kernel_source = Path(bench.kernels.__file__).read_text()
+    copy_source = Path(bench.kernels_without(tuple(bench.BACKWARD_STEPS)).__file__).read_text()
     for line, _ in bench.BACKWARD_STEPS.values():
-        assert line in open(bench.kernels.__file__).read() and line not in source
+        assert line in kernel_source and line not in copy_source
     monkeypatch.setattr(bench.region, "pre_gdr_bwd", bench.kernels_without(
         ("halo_gather",)).pre_gdr_bwd)
     assert not torch.equal(dx(), full)

@@ -200,10 +200,11 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
     return results
 
 
-SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 4)]
+SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 8), (1, 4096, 4)]
 SWEEP = {  # kernel: the Launch fields it reads and their candidates
     "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
-    "backward": {"backward_tokens": (16, 32, 64), "backward_warps": (2, 4, 8)},
+    "backward": {"backward_chunk": (16, 32, 64, 128, 256), "backward_rows": (1, 2, 4),
+                 "backward_warps": (1, 2)},
 }
 
 
@@ -231,8 +232,8 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
         for batch, seq, hv in shapes:
             (qkvzba, weight, a_log, dt_bias), shape, grads = impl_inputs(batch, seq, hv)
             best = {}
-            for kernel, launch in sweep_candidates(default_for(shape)):
-                region.launch_for = lambda _shape, launch=launch: launch
+            for kernel, launch in sweep_candidates(default_for(shape, seq)):
+                region.launch_for = lambda *_, launch=launch: launch
                 if kernel == "forward":
                     us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,
                                                                  dt_bias, shape))
@@ -255,12 +256,12 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
 
 # Steps of pre_gdr_bwd that --backward-parts leaves out: (the kernel's line, its replacement).
 BACKWARD_STEPS = {
-    "halo_gather": ("shifted = tl.gather(dpre, index, 0)", "shifted = dpre"),
-    "dw_partials": ("tl.store(dw_partial + part * K + j, tl.sum(owned * xv.to(tl.float32), 0), "
-                    "mask=chan_mask)", "pass"),
+    "dx_sum": ("dxs += di * taps[K - 1 - i]", "pass"),
+    "dw_partials": ("new_dw = new_dw + (dw[j] + owned * masked[j],)",
+                    "new_dw = new_dw + (dw[j],)"),
 }
-BACKWARD_PARTS = [((), True), (("halo_gather",), True), (("dw_partials",), True),
-                  (("halo_gather", "dw_partials"), True), ((), False)]  # (left out, l2norm)
+BACKWARD_PARTS = [((), True), (("dx_sum",), True), (("dw_partials",), True),
+                  (("dx_sum", "dw_partials"), True), ((), False)]  # (left out, l2norm)
 
 
 def kernels_without(steps):
@@ -294,7 +295,7 @@ def backward_parts(out_dir: str, shapes=SWEEP_SHAPES[:1]) -> dict:
                     qkvzba, weight, None, a_log, dt_bias, shape, *grads, use_qk_l2norm=l2norm))
                 left_out = list(steps) + ([] if l2norm else ["l2norm_backward"])
                 results["rows"].append({"batch": batch, "seq": seq, "value_heads": hv,
-                                        "launch": region.launch_for(shape)._asdict(),
+                                        "launch": region.launch_for(shape, seq)._asdict(),
                                         "left_out": left_out, "us": us})
                 log(f"{batch}x{seq}x{hv} without {left_out or 'nothing'}: {us:8.1f} us")
             write_json(results, out_dir, "pre_gdr_backward_parts.json")

@@ -36,6 +36,7 @@ CONV_ROUNDINGS = ("once", "twice")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 1024  # a head's tile lives in registers
 MAX_CONV_WIDTH = 16
+DECAY_TOKENS = 16  # tokens per step of the backward's g / beta program
 
 
 class RegionShape(NamedTuple):
@@ -172,17 +173,18 @@ def check_pre_gated_delta_rule(qkvzba, conv_weight, conv_bias, A_log, dt_bias, *
 class Launch(NamedTuple):
     forward_tokens: int  # tokens per program of the forward
     forward_warps: int
-    backward_tokens: int  # rows per program of the backward: its own tokens and K - 1 more
+    backward_chunk: int  # tokens per program of the backward, streamed
+    backward_rows: int  # tokens per step of its loop (their loads issued together)
     backward_warps: int
 
 
-def launch_for(shape: RegionShape) -> Launch:
-    # The backward's block owns backward_tokens - K + 1 tokens: at least half of its rows. 64
-    # rows x 4 warps at 16 or more q / k / v heads, 32 below, where more blocks fill the GPU:
-    # the fastest of 16-64 rows at 32, 8 and 4 value heads, S = 4096 (pre_gdr_backward_sweep*).
-    rows = 64 if 2 * shape.key_heads + shape.value_heads >= 16 else 32
-    rows = max(rows, triton.next_power_of_2(2 * shape.conv_width))
-    return Launch(forward_tokens=16, forward_warps=4, backward_tokens=rows, backward_warps=4)
+def launch_for(shape: RegionShape, tokens: int) -> Launch:
+    # The backward streams each head's channels through its chunk of tokens in one warp: a
+    # chunk reads K - 1 tokens more than it owns, so chunks are long where heads x tokens keep
+    # the GPU full, and shorter at few heads or tokens.
+    chunk = 64
+    return Launch(forward_tokens=16, forward_warps=4, backward_chunk=chunk, backward_rows=4,
+                  backward_warps=1)
 
 
 def _block(n: int) -> int:
@@ -227,7 +229,7 @@ def forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionSh
     beta = torch.empty(batch, seq, hv, dtype=dtype, device=device)
     if q.numel() == 0 and v.numel() == 0:
         return q, k, v, g, beta
-    launch = launch_for(shape)
+    launch = launch_for(shape, seq)
     weight = conv_weight.view(conv_weight.shape[0], -1)
     grid = (2 * shape.key_heads + hv + 1, triton.cdiv(seq, launch.forward_tokens), batch)
     pre_gdr_fwd[grid](
@@ -253,27 +255,27 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     device = qkvzba.device
     if dqkvzba is None:
         dqkvzba = gradient_buffer(qkvzba)
-    launch = launch_for(shape)
-    blocks = triton.cdiv(seq, launch.backward_tokens - shape.conv_width + 1)
+    launch = launch_for(shape, seq)
+    chunks = triton.cdiv(seq, launch.backward_chunk)
     channels = shape.conv_channels
     f32 = dict(dtype=torch.float32, device=device)
     # the kernel writes every partial (one row per program); no program runs on empty input
     new = torch.empty if seq and batch else torch.zeros
-    da_partial = new(batch * blocks, hv, **f32)
-    ddt_partial = new(batch * blocks, hv, **f32)
-    dw_partial = new(batch * blocks, channels, shape.conv_width, **f32)
-    db_partial = new(batch * blocks, channels, **f32)
+    da_partial = new(batch * chunks, hv, **f32)
+    ddt_partial = new(batch * chunks, hv, **f32)
+    dw_partial = new(batch * chunks, channels, shape.conv_width, **f32)
+    db_partial = new(batch * chunks, channels, **f32)
     if seq and batch:
         weight = conv_weight.view(channels, -1)
-        pre_gdr_bwd[(2 * hk + hv + 1, blocks, batch)](
+        pre_gdr_bwd[(2 * hk + hv + 1, chunks, batch)](
             x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias,
             seq_start=seq_start, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dx=dqkvzba,
             dw_partial=dw_partial, db_partial=db_partial, da_partial=da_partial,
             ddt_partial=ddt_partial,
             S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1), w_stride_c=weight.stride(0),
             w_stride_k=weight.stride(1), dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1),
-            blocks=blocks, **_dims(shape),
-            BT=launch.backward_tokens, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
+            chunk=launch.backward_chunk, **_dims(shape), ROWS=launch.backward_rows,
+            BT=DECAY_TOKENS, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
             BH=_block(hv), **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
             num_warps=launch.backward_warps,
         )

@@ -20,7 +20,7 @@ Backward (fp32 inside; ``round`` where the unfused autograd graph rounds):
   dact  = round(dy rstd - (dy . y) y rstd)        (q/k: the l2norm backward; v: dact = dv)
   dpre  = dact silu'(pre)
   dx[s] = round(sum_j w[c, K-1-j] dpre[s + j])    over the same sequence
-  dw_partial[p, c, j] = sum over the block's tokens s of dpre[s] x[s - K + 1 + j]
+  dw_partial[p, c, j] = sum over the chunk's tokens s of dpre[s] x[s - K + 1 + j]   (in order)
   dalpha = round(dg (-A) sigmoid(alpha + dt_bias)),  dbeta_in = round(dbeta beta (1 - beta))
   dA_partial[p, h] = sum dg (-A) softplus(..),  ddt_partial[p, h] = sum dg (-A) sigmoid(..)
 The partials are summed in a fixed order on the host side (deterministic).
@@ -220,162 +220,183 @@ def pre_gdr_fwd(
 
 
 @triton.jit
-def _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
-                            r_mask, own, start, chans, chan_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, C: tl.constexpr, K: tl.constexpr,
-                            CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            VARLEN: tl.constexpr):
-    """From the gradient at the activation's output (``dact``, rows ``r``), the block's dw / db
-    partials over its own rows and dx of those rows. dx[t] needs dpre at t .. t + K - 1: the
-    block's rows past its own (the halo) are computed here, and reached by gathering the tile
-    shifted by i rows (no recomputation per shift)."""
-    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
-    BT: tl.constexpr = pre.shape[0]
-    m = r_mask[:, None] & chan_mask[None, :]
-    p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
-    dpre = tl.where(m, dact * _activation_grad(p, "silu"), 0.0)
-    owned = tl.where(own[:, None], dpre, 0.0)
+def _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, seq_start,
+                   first, last, S, tok0, chan0, grad_head, ss, dx_ss, w_stride_c, w_stride_k,
+                   C: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                   R: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
+                   KEY: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+                   CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
+    """The backward of one q/k (``KEY``) or v head (channels from ``chan0``) over the program's tokens [first, last),
+    streamed one token at a time (ROWS per loop step, their loads first). Token s's dpre needs
+    x at s - K + 1 .. s, and dx[t] needs dpre at t .. t + K - 1: both are windows of the last
+    K rows, kept in registers and shifted by renaming, so no row of the tile moves between
+    threads. The loop runs K - 1 tokens past ``last`` for dx's window (dpre only); dw / db
+    accumulate over the own tokens and are stored once."""
+    DTYPE: tl.constexpr = dx_b.dtype.element_ty
+    d = tl.arange(0, BD)
+    d_mask = d < D
+    chans = chan0 + d
+    taps = ()  # w[c, j], fp32
+    for j in tl.static_range(K):
+        taps = taps + (tl.load(w + chans * w_stride_c + j * w_stride_k, mask=d_mask,
+                               other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        b_c = tl.load(bias + chans, mask=d_mask, other=0.0).to(tl.float32)
+    zero = tl.zeros((BD,), dtype=tl.float32)
+    x_win = ()  # x at s - K + 1 .. s - 1
+    for j in tl.static_range(K - 1):
+        row = first - (K - 1) + j
+        x_win = x_win + (tl.load(x_b + row.to(tl.int64) * ss + chans,
+                                 mask=d_mask & (row >= 0), other=0.0).to(tl.float32),)
+    dpre_win = ()  # dpre at s - K + 1 .. s - 1, and their sequence starts
+    start_win = ()
+    dw = ()
+    for j in tl.static_range(K - 1):
+        dpre_win = dpre_win + (zero,)
+        start_win = start_win + (0,)
+    for j in tl.static_range(K):
+        dw = dw + (zero,)
+    db = zero
+    for s0 in tl.range(first, last + K - 1, ROWS):
+        # loads of ROWS tokens first: the dx stores below could alias them for the compiler
+        xs = ()
+        starts = ()
+        dys = ()
+        for u in tl.static_range(ROWS):
+            s = s0 + u
+            inside = s < S
+            xs = xs + (tl.load(x_b + s.to(tl.int64) * ss + chans, mask=d_mask & inside,
+                               other=0.0).to(tl.float32),)
+            if VARLEN:
+                starts = starts + (tl.load(seq_start + s, mask=inside, other=S),)
+            else:
+                starts = starts + (0,)
+            g_row = grad + ((tok0 + s) * HV + grad_head) * D + d
+            dy = tl.load(g_row, mask=d_mask & inside, other=0.0).to(tl.float32)
+            for i in tl.static_range(1, R):  # the head repeat's gradient, autograd's order
+                dy += tl.load(g_row + i * D, mask=d_mask & inside, other=0.0).to(tl.float32)
+            if R > 1:
+                dy = _round_to(dy, DTYPE)
+            dys = dys + (dy,)
+        for u in tl.static_range(ROWS):
+            s = s0 + u
+            window = x_win + (xs[u],)  # x at s - K + 1 .. s
+            pre = zero
+            masked = ()
+            for j in tl.static_range(K):
+                xj = window[j]
+                if VARLEN:  # tokens before s's sequence read as 0
+                    xj = tl.where(s - (K - 1) + j >= starts[u], xj, 0.0)
+                masked = masked + (xj,)
+                pre += xj * taps[j]
+            if HAS_BIAS:
+                pre += b_c
+            dact = dys[u]
+            if KEY and USE_QK_L2NORM:
+                y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+                rstd = 1 / tl.sqrt(tl.sum(y * y, 0) + EPS)
+                y = y * rstd
+                dact = _round_to(dact * rstd - tl.sum(dact * y, 0) * y * rstd, DTYPE)
+            p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
+            dpre = dact * _activation_grad(p, "silu")
+            owned = tl.where(s < last, dpre, 0.0)
+            new_dw = ()
+            for j in tl.static_range(K):
+                new_dw = new_dw + (dw[j] + owned * masked[j],)
+            dw = new_dw
+            db += owned
+            # dx[t], t = s - K + 1: dpre at t + i reaches it only within t's sequence
+            t = s - (K - 1)
+            dpres = dpre_win + (dpre,)
+            seq_starts = start_win + (starts[u],)
+            dxs = zero
+            for i in tl.static_range(K):
+                di = dpres[i]
+                if VARLEN:
+                    di = tl.where(seq_starts[i] <= t, di, 0.0)
+                dxs += di * taps[K - 1 - i]
+            tl.store(dx_b + t.to(tl.int64) * dx_ss + chans, _round_to(dxs, DTYPE).to(DTYPE),
+                     mask=d_mask & (t >= first) & (t < last))
+            x_win = window[1:]
+            dpre_win = dpres[1:]
+            start_win = seq_starts[1:]
     part = part_row * C + chans
     for j in tl.static_range(K):
-        src = r - (K - 1) + j
-        xm = ((src >= start) & r_mask)[:, None] & chan_mask[None, :]
-        xv = tl.load(x_b + src.to(tl.int64)[:, None] * ss + chans[None, :], mask=xm, other=0.0)
-        tl.store(dw_partial + part * K + j, tl.sum(owned * xv.to(tl.float32), 0), mask=chan_mask)
+        tl.store(dw_partial + part * K + j, dw[j], mask=d_mask)
     if HAS_BIAS:
-        tl.store(db_partial + part, tl.sum(owned, 0), mask=chan_mask)
-    local = tl.arange(0, BT)
-    dxs = tl.zeros_like(dpre)
-    for i in tl.static_range(K):
-        if i == 0:
-            shifted = dpre
-        else:  # row t of ``shifted``: dpre at t + i (the clamped rows are past the own rows)
-            index = tl.broadcast_to(tl.minimum(local + i, BT - 1)[:, None], dpre.shape)
-            shifted = tl.gather(dpre, index, 0)
-        if VARLEN:  # dpre[t + i] reaches dx[t] only within t's sequence
-            s = r + i
-            same = tl.load(seq_start + s, mask=s < S, other=S) <= r
-            shifted = tl.where(same[:, None], shifted, 0.0)
-        wi = tl.load(w + chans * w_stride_c + (K - 1 - i) * w_stride_k, mask=chan_mask, other=0.0)
-        dxs += shifted * wi.to(tl.float32)[None, :]
-    tl.store(dx_rows + chans[None, :], _round_to(dxs, DTYPE).to(DTYPE),
-             mask=own[:, None] & chan_mask[None, :])
+        tl.store(db_partial + part, db, mask=d_mask)
 
 
 @triton.jit
-def _bwd_key_head(x_b, w, bias, grad, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                  own, tok, start, seq_start, head, kh, S, ss, w_stride_c, w_stride_k,
-                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  K: tl.constexpr, R: tl.constexpr, BDK: tl.constexpr, EPS: tl.constexpr,
-                  USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
-    """q/k head ``head``: the head repeat's gradient summed, the l2norm backward (dact), then
-    the conv's backward of its channels."""
-    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
-    d = tl.arange(0, BDK)
-    d_mask = d < DK
-    chans = head * DK + d
-    m = r_mask[:, None] & d_mask[None, :]
-    dy = tl.zeros((r.shape[0], BDK), dtype=tl.float32)
-    for i in tl.static_range(R):
-        dy += tl.load(grad + (tok * HV + kh * R + i) * DK + d[None, :], mask=m,
-                      other=0.0).to(tl.float32)
-    if R > 1:
-        dy = _round_to(dy, DTYPE)
-    pre = _conv_pre(x_b, r, r_mask, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
-                    K, HAS_BIAS)
-    if USE_QK_L2NORM:
-        y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-        rstd = _l2_rstd(y, EPS)
-        y = y * rstd[:, None]
-        dy = _round_to(dy * rstd[:, None] - tl.sum(dy * y, 1)[:, None] * y * rstd[:, None],
-                       DTYPE)
-    _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dy, r,
-                            r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
-
-
-@triton.jit
-def _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                    own, tok, start, seq_start, vh, S, ss, w_stride_c, w_stride_k,
-                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    K: tl.constexpr, BDV: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
-    d = tl.arange(0, BDV)
-    d_mask = d < DV
-    chans = 2 * HK * DK + vh * DV + d
-    m = r_mask[:, None] & d_mask[None, :]
-    dact = tl.load(dv + (tok * HV + vh) * DV + d[None, :], mask=m, other=0.0).to(tl.float32)
-    pre = _conv_pre(x_b, r, r_mask, start, chans, d_mask, w, w_stride_c, w_stride_k, bias, ss,
-                    K, HAS_BIAS)
-    _conv_channels_backward(x_b, w, dx_rows, dw_partial, db_partial, part_row, pre, dact, r,
-                            r_mask, own, start, chans, d_mask, seq_start, S, ss, w_stride_c,
-                            w_stride_k, 2 * HK * DK + HV * DV, K, CONV_ROUNDING, HAS_BIAS, VARLEN)
-
-
-@triton.jit
-def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial, part_row, t,
-               t_mask, tok, ss, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-               DV: tl.constexpr, BH: tl.constexpr):
-    DTYPE: tl.constexpr = dx_rows.dtype.element_ty
-    beta_in, z, a, h, h_mask, m = _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK, HV, DK,
-                                                DV, BH)
-    grad_off = tok * HV + h[None, :]
-    dg_v = tl.load(dg + grad_off, mask=m, other=0.0).to(tl.float32)
-    dz = dg_v * -a[None, :] * _exact_sigmoid(z)  # d g / d (alpha + dt_bias)
-    sb_ = _exact_sigmoid(beta_in)
-    dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
-    dx_decay = dx_rows + (2 * HK * DK + 2 * HV * DV)
-    tl.store(dx_decay + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
-             mask=m)
-    tl.store(dx_decay + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
-    part = part_row * HV + h
-    # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
-    tl.store(da_partial + part, tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0), mask=h_mask)
-    tl.store(ddt_partial + part, tl.sum(tl.where(m, dz, 0.0), 0), mask=h_mask)
+def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, da_partial, ddt_partial, part_row, first,
+               last, tok0, ss, dx_ss, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """dbeta_in, dalpha of tokens [first, last) in blocks of BT, and their dA / ddt_bias
+    partials (block sums added in order)."""
+    DTYPE: tl.constexpr = dx_b.dtype.element_ty
+    da_sum = tl.zeros((BH,), dtype=tl.float32)
+    ddt_sum = tl.zeros((BH,), dtype=tl.float32)
+    for t0 in tl.range(first, last, BT):
+        t = t0 + tl.arange(0, BT)
+        t_mask = t < last
+        beta_in, z, a, h, h_mask, m = _decay_inputs(x_b, a_log, dt_bias, t, t_mask, ss, HK, HV,
+                                                    DK, DV, BH)
+        grad_off = (tok0 + t.to(tl.int64))[:, None] * HV + h[None, :]
+        dg_v = tl.load(dg + grad_off, mask=m, other=0.0).to(tl.float32)
+        dz = dg_v * -a[None, :] * _exact_sigmoid(z)  # d g / d (alpha + dt_bias)
+        sb_ = _exact_sigmoid(beta_in)
+        dbeta_v = tl.load(dbeta + grad_off, mask=m, other=0.0).to(tl.float32)
+        dx_decay = dx_b + t.to(tl.int64)[:, None] * dx_ss + (2 * HK * DK + 2 * HV * DV)
+        tl.store(dx_decay + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
+                 mask=m)
+        tl.store(dx_decay + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
+        # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
+        da_sum += tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0)
+        ddt_sum += tl.sum(tl.where(m, dz, 0.0), 0)
+    h = tl.arange(0, BH)
+    tl.store(da_partial + part_row * HV + h, da_sum, mask=h < HV)
+    tl.store(ddt_partial + part_row * HV + h, ddt_sum, mask=h < HV)
 
 
 @triton.jit
 def pre_gdr_bwd(
     x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dx,
     dw_partial, db_partial, da_partial, ddt_partial,
-    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, blocks,
+    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, chunk,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr,
-    EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
-    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+    ROWS: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    BH: tl.constexpr, EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Program (head, token block, batch), heads as in ``pre_gdr_fwd``. A block owns
-    OWN = BT - K + 1 tokens from ``block * OWN`` and computes dpre on all BT (its K - 1 last rows
-    are the next block's first). q/k and v heads: dx of their channels and the block's dw / db
-    partials; the last: dbeta_in, dalpha and the block's dA / ddt_bias partials. Partials: row
-    ``batch * blocks + block``."""
+    """Program (head, chunk of ``chunk`` tokens, batch), heads as in ``pre_gdr_fwd``. q/k and v
+    heads: dx of their channels and the chunk's dw / db partials; the last: dbeta_in, dalpha
+    and the chunk's dA / ddt_bias partials. Partials: row ``batch * chunks + chunk``."""
     head = tl.program_id(0)
-    block = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    OWN: tl.constexpr = BT - K + 1
-    local = tl.arange(0, BT)
-    r = block * OWN + local
-    r_mask = r < S
-    own = r_mask & (local < OWN)
+    first = tl.program_id(1) * chunk
+    last = tl.minimum(first + chunk, S)
     x_b = x + b * sb
-    dx_rows = dx + b * dx_sb + r.to(tl.int64)[:, None] * dx_ss
-    part_row = b * blocks + block
+    dx_b = dx + b * dx_sb
+    part_row = b * tl.num_programs(1) + tl.program_id(1)
+    tok0 = b * S
     R: tl.constexpr = HV // HK
-    tok = (b * S + r.to(tl.int64))[:, None]
-    start = _sequence_start(seq_start, r, r_mask, VARLEN)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
     if head < HK:
-        _bwd_key_head(x_b, w, bias, dq, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                      own, tok, start, seq_start, head, head, S, ss, w_stride_c, w_stride_k, HK,
-                      HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN)
+        _bwd_conv_head(x_b, w, bias, dq, dx_b, dw_partial, db_partial, part_row, seq_start,
+                       first, last, S, tok0, head * DK, head * R, ss, dx_ss, w_stride_c,
+                       w_stride_k, C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM,
+                       CONV_ROUNDING, HAS_BIAS, VARLEN)
     elif head < 2 * HK:
-        _bwd_key_head(x_b, w, bias, dk, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                      own, tok, start, seq_start, head, head - HK, S, ss, w_stride_c, w_stride_k,
-                      HK, HV, DK, DV, K, R, BDK, EPS, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS,
-                      VARLEN)
+        _bwd_conv_head(x_b, w, bias, dk, dx_b, dw_partial, db_partial, part_row, seq_start,
+                       first, last, S, tok0, head * DK, (head - HK) * R, ss, dx_ss, w_stride_c,
+                       w_stride_k, C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM,
+                       CONV_ROUNDING, HAS_BIAS, VARLEN)
     elif head < 2 * HK + HV:
-        _bwd_value_head(x_b, w, bias, dv, dx_rows, dw_partial, db_partial, part_row, r, r_mask,
-                        own, tok, start, seq_start, head - 2 * HK, S, ss, w_stride_c, w_stride_k,
-                        HK, HV, DK, DV, K, BDV, CONV_ROUNDING, HAS_BIAS, VARLEN)
+        vh = head - 2 * HK
+        _bwd_conv_head(x_b, w, bias, dv, dx_b, dw_partial, db_partial, part_row, seq_start,
+                       first, last, S, tok0, 2 * HK * DK + vh * DV, vh, ss, dx_ss, w_stride_c,
+                       w_stride_k, C, HV, DV, K, 1, BDV, ROWS, EPS, False, USE_QK_L2NORM,
+                       CONV_ROUNDING, HAS_BIAS, VARLEN)
     else:
-        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_rows, da_partial, ddt_partial, part_row, r,
-                   own, tok, ss, HK, HV, DK, DV, BH)
+        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, da_partial, ddt_partial, part_row,
+                   first, last, tok0, ss, dx_ss, HK, HV, DK, DV, BT, BH)

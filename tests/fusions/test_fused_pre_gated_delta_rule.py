@@ -122,12 +122,13 @@ def test_matches_the_reference(case, dtype):
     assert (grads[0].transpose(0, 1) if sbhd_view else grads[0]).is_contiguous()
 
 
-# Backward blocks of 16 and 64 rows (13 and 61 own at K = 4) over S = 37: three blocks, and one.
-@pytest.mark.parametrize("rows", [16, 64])
+# Backward chunks over S = 37: of 5 tokens (8 chunks, shorter than the conv's window K - 1 = 3
+# plus one), of 16 (3, the last short), and one chunk; loop steps of 1 to 3 tokens.
+@pytest.mark.parametrize("chunk, rows", [(5, 1), (16, 3), (64, 2)])
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
-def test_backward_block_sizes(rows, packed, monkeypatch):
-    """Other backward block sizes against the reference, and d(qkvzba) the same bits as the
-    default launch's (dw's partials are summed per block, so their grouping follows it)."""
+def test_backward_chunks(chunk, rows, packed, monkeypatch):
+    """Other backward chunks and loop steps against the reference, and d(qkvzba) the same bits
+    as the default launch's (only dw's partials follow the chunks)."""
     region = Region()
     if packed:
         region, inputs, cu_seqlens = _packed_inputs(UNEQUAL, torch.bfloat16)
@@ -136,8 +137,8 @@ def test_backward_block_sizes(rows, packed, monkeypatch):
         inputs, options = make_region(region, 2, 37, torch.bfloat16), {}
     _, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
     default = fpg.launch_for
-    monkeypatch.setattr(fpg, "launch_for",
-                        lambda shape: default(shape)._replace(backward_tokens=rows))
+    monkeypatch.setattr(fpg, "launch_for", lambda shape, tokens: default(shape, tokens)._replace(
+        backward_chunk=chunk, backward_rows=rows))
     _, grads = compare_with_reference(inputs, region, **options)
     assert torch.equal(grads[0], default_grads[0])
 
@@ -412,10 +413,9 @@ def test_region_shape_and_launch():
     assert shape.conv_channels == 2 * 2 * 12 + 4 * 24
     assert shape.features == shape.conv_channels + 4 * 24 + 2 * 4
     assert shape.gate_slice == slice(144, 240)
-    # a backward block owns backward_tokens - K + 1 tokens, at least half of its rows
-    for width in (1, 2, 4, 17, 40):
-        rows = launch_for(shape._replace(conv_width=width)).backward_tokens
-        assert rows & (rows - 1) == 0 and rows - width + 1 >= rows // 2, width
+    for tokens in (0, 1, 37, 4096, 10**6):
+        launch = launch_for(shape, tokens)
+        assert launch.backward_chunk >= 1 and launch.backward_rows >= 1, tokens
 
 
 # -------------------------------------------------------------------------------- empty inputs

@@ -42,8 +42,8 @@ def test_needs_a_gpu(monkeypatch):
 
 
 def test_sweep_varies_one_kernel_at_a_time():
-    default = bench.region.Launch(forward_tokens=32, forward_warps=4, backward_tokens=32,
-                                  backward_warps=4)
+    default = bench.region.Launch(forward_tokens=32, forward_warps=4, backward_chunk=32,
+                                  backward_rows=4, backward_warps=1)
     seen = {}
     for kernel, launch in bench.sweep_candidates(default):
         changed = {f for f in launch._fields if getattr(launch, f) != getattr(default, f)}
@@ -56,7 +56,7 @@ def test_sweep_varies_one_kernel_at_a_time():
 @pytest.mark.interpreter
 def test_backward_parts_leave_their_steps_out(monkeypatch):
     """Each step's line is in the kernel (the copies cannot go stale unnoticed), and the copy
-    without the halo's gather computes another d(qkvzba) from the same inputs."""
+    without dx's sum computes another d(qkvzba) from the same inputs."""
     (qkvzba, weight, a_log, dt_bias), shape, grads = bench.impl_inputs(1, 40, 2, device="cpu")
 
     def dx():
@@ -69,5 +69,5 @@ def test_backward_parts_leave_their_steps_out(monkeypatch):
     for line, _ in bench.BACKWARD_STEPS.values():
         assert line in kernel_source and line not in copy_source
     monkeypatch.setattr(bench.region, "pre_gdr_bwd", bench.kernels_without(
-        ("halo_gather",)).pre_gdr_bwd)
+        ("dx_sum",)).pre_gdr_bwd)
     assert not torch.equal(dx(), full)

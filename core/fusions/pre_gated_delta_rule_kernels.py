@@ -226,11 +226,11 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, s
                    R: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
                    KEY: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
                    CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
-    """The backward of one q/k (``KEY``) or v head (channels from ``chan0``) over the program's tokens [first, last),
-    streamed one token at a time (ROWS per loop step, their loads first). Token s's dpre needs
-    x at s - K + 1 .. s, and dx[t] needs dpre at t .. t + K - 1: both are windows of the last
-    K rows, kept in registers and shifted by renaming, so no row of the tile moves between
-    threads. The loop runs K - 1 tokens past ``last`` for dx's window (dpre only); dw / db
+    """The backward of one q/k (``KEY``) or v head (channels from ``chan0``) over the program's
+    tokens [first, last), streamed one token at a time (ROWS per loop step, their loads first).
+    Token s's dpre needs x at s - K + 1 .. s, and dx[t] needs dpre at t .. t + K - 1: both are
+    windows of the last K tokens, kept in registers and shifted by renaming (no value moves
+    between threads). The loop runs K - 1 tokens past ``last`` for dx's window (dpre only); dw / db
     accumulate over the own tokens and are stored once."""
     DTYPE: tl.constexpr = dx_b.dtype.element_ty
     d = tl.arange(0, BD)

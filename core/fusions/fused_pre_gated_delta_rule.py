@@ -36,7 +36,7 @@ CONV_ROUNDINGS = ("once", "twice")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 1024  # a head's tile lives in registers
 MAX_CONV_WIDTH = 16
-DECAY_TOKENS = 16  # tokens per step of the backward's g / beta program
+DECAY_TOKENS = 4  # tokens per step of the backward's g / beta program (few registers)
 
 
 class RegionShape(NamedTuple):

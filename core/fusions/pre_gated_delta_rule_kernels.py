@@ -381,14 +381,11 @@ def pre_gdr_bwd(
     tok0 = b * S
     R: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * DK + HV * DV
-    if head < HK:
-        _bwd_conv_head(x_b, w, bias, dq, dx_b, dw_partial, db_partial, part_row, seq_start,
-                       first, last, S, tok0, head * DK, head * R, ss, dx_ss, w_stride_c,
-                       w_stride_k, C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM,
-                       CONV_ROUNDING, HAS_BIAS, VARLEN)
-    elif head < 2 * HK:
-        _bwd_conv_head(x_b, w, bias, dk, dx_b, dw_partial, db_partial, part_row, seq_start,
-                       first, last, S, tok0, head * DK, (head - HK) * R, ss, dx_ss, w_stride_c,
+    if head < 2 * HK:  # q or k: one copy of the code, its gradient picked at run time
+        grad = tl.where(head < HK, dq, dk)
+        kh = head % HK
+        _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, seq_start,
+                       first, last, S, tok0, head * DK, kh * R, ss, dx_ss, w_stride_c,
                        w_stride_k, C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM,
                        CONV_ROUNDING, HAS_BIAS, VARLEN)
     elif head < 2 * HK + HV:

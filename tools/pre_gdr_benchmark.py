@@ -208,9 +208,10 @@ SWEEP = {  # kernel: the Launch fields it reads and their candidates
 }
 
 
-def sweep_candidates(default: region.Launch):
+def sweep_candidates(default: region.Launch, kernels=tuple(SWEEP)):
     """(kernel, Launch) pairs: one kernel's fields varied, the others at ``default``."""
-    for kernel, fields in SWEEP.items():
+    for kernel in kernels:
+        fields = SWEEP[kernel]
         for values in itertools.product(*fields.values()):
             yield kernel, default._replace(**dict(zip(fields, values)))
 
@@ -224,7 +225,7 @@ def impl_inputs(batch, seq, hv, device="cuda"):
     return (qkvzba, weight, a_log, dt_bias), shape, [torch.randn_like(o) for o in outs]
 
 
-def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
+def sweep(out_dir: str, shapes=SWEEP_SHAPES, kernels=tuple(SWEEP)) -> dict:
     """GPU time of forward_impl or backward_impl per launch."""
     results = {"env": environment(), "rows": []}
     default_for = region.launch_for
@@ -232,7 +233,7 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES) -> dict:
         for batch, seq, hv in shapes:
             (qkvzba, weight, a_log, dt_bias), shape, grads = impl_inputs(batch, seq, hv)
             best = {}
-            for kernel, launch in sweep_candidates(default_for(shape, seq)):
+            for kernel, launch in sweep_candidates(default_for(shape, seq), kernels):
                 region.launch_for = lambda *_, launch=launch: launch
                 if kernel == "forward":
                     us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,
@@ -311,6 +312,8 @@ def main(argv=None) -> None:
                         help="S = 4096, B = 1 only (with --sweep: 32 value heads only)")
     parser.add_argument("--parity", action="store_true", help="also the parity report")
     parser.add_argument("--sweep", action="store_true", help="only the launch sweep")
+    parser.add_argument("--sweep-kernel", choices=tuple(SWEEP), action="append",
+                        help="with --sweep: this kernel's launches only (repeatable)")
     parser.add_argument("--backward-parts", action="store_true",
                         help="only the backward's time with steps of its kernel left out")
     args = parser.parse_args(argv)
@@ -319,7 +322,8 @@ def main(argv=None) -> None:
         backward_parts(args.out)
         return
     if args.sweep:
-        sweep(args.out, SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES)
+        sweep(args.out, SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES,
+              tuple(args.sweep_kernel or SWEEP))
         return
     run(QUICK_SHAPES if args.quick else SHAPES, args.out, args.parity)
 

@@ -51,6 +51,8 @@ def test_sweep_varies_one_kernel_at_a_time():
         seen.setdefault(kernel, set()).add(launch)
     for kernel, fields in bench.SWEEP.items():  # every combination, none twice
         assert len(seen[kernel]) == math.prod(len(v) for v in fields.values()), kernel
+    assert {kernel for kernel, _ in bench.sweep_candidates(default, ("backward",))} == {
+        "backward"}
 
 
 @pytest.mark.interpreter

@@ -123,20 +123,21 @@ def test_packed_sequences():
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
-def test_backward_block_sizes_give_the_same_bits(packed, monkeypatch):
-    """d(qkvzba) at TP 8's sizes bitwise equal with 16, 32 and 64 rows per backward block:
-    each block's gathered halo rows are the next block's first rows."""
+def test_backward_chunks_give_the_same_bits(packed, monkeypatch):
+    """d(qkvzba) at TP 8's sizes bitwise equal with chunks of 16, 64 and 256 tokens and 1 or
+    4 tokens per loop step: each chunk computes the K - 1 dpre rows after it itself."""
     batch, options = (1, dict(cu_seqlens=_cu_seqlens(UNEQUAL))) if packed else (2, {})
     inputs = make_region(TP8, batch, SEQ, torch.bfloat16, seed=5)
     default = fpg.launch_for
     results = {}
-    for rows in (16, 32, 64):
-        monkeypatch.setattr(fpg, "launch_for", lambda shape, rows=rows: default(
-            shape)._replace(backward_tokens=rows))
+    for chunk, rows in ((16, 1), (64, 4), (256, 2)):
+        monkeypatch.setattr(fpg, "launch_for", lambda shape, tokens, chunk=chunk, rows=rows:
+                            default(shape, tokens)._replace(backward_chunk=chunk,
+                                                            backward_rows=rows))
         _, grads = region_grads(fused_pre_gated_delta_rule, inputs, TP8, **options)
-        results[rows] = grads[0]
-    for rows, dx in results.items():
-        assert torch.equal(dx, results[16]), rows
+        results[chunk] = grads[0]
+    for chunk, dx in results.items():
+        assert torch.equal(dx, results[16]), chunk
 
 
 def test_cuda_graph_replay_matches_eager():

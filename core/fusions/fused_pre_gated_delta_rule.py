@@ -27,7 +27,8 @@ import triton
 from core.fusions.gated_norm_validation import (DEVICE_RULE, check_bool, check_option,
                                                  check_positive_number, check_tensors)
 from core.fusions.gated_norm_kernels import INTERPRETED
-from core.fusions.pre_gated_delta_rule_kernels import pre_gdr_bwd, pre_gdr_fwd
+from core.fusions.pre_gated_delta_rule_kernels import (pre_gdr_bwd, pre_gdr_bwd_sums,
+                                                        pre_gdr_fwd)
 
 ENTRY = "fused_pre_gated_delta_rule"
 # "once": FLA's causal_conv1d (conv + SiLU, one rounding); "twice": torch's conv1d, then the
@@ -37,6 +38,7 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 1024  # a head's tile lives in registers
 MAX_CONV_WIDTH = 16
 DECAY_TOKENS = 4  # tokens per step of the backward's g / beta program (few registers)
+SUM_COLUMNS, SUM_ROWS = 256, 8  # pre_gdr_bwd_sums: columns per program, rows per step
 
 
 class RegionShape(NamedTuple):
@@ -176,13 +178,23 @@ class Launch(NamedTuple):
     backward_chunk: int  # tokens per program of the backward, streamed
     backward_rows: int  # tokens per step of its loop (their loads issued together)
     backward_warps: int
+    backward_registers: Optional[int] = None  # a cap on the backward's registers (maxnreg)
+
+
+# The backward's chunk: the longest of 16 ... 256 tokens that still gives BACKWARD_PROGRAMS
+# programs (about two per one-warp program an H100 holds at once: 132 SMs x 16). Longer chunks
+# read fewer of the K - 1 tokens past their end twice and write fewer partial rows; more
+# programs keep every SM busy (tools/pre_gdr_benchmark.py --sweep).
+MIN_CHUNK, MAX_CHUNK, BACKWARD_PROGRAMS = 16, 256, 4096
 
 
 def launch_for(shape: RegionShape, tokens: int) -> Launch:
-    # The backward streams each head's channels through its chunk of tokens in one warp: a
-    # chunk reads K - 1 tokens more than it owns, so chunks are long where heads x tokens keep
-    # the GPU full, and shorter at few heads or tokens.
-    chunk = 64
+    """Launch sizes for ``tokens`` tokens (batch x sequence) of this shape."""
+    programs_per_chunk = 2 * shape.key_heads + shape.value_heads + 1
+    chunk = MAX_CHUNK
+    while chunk > MIN_CHUNK and programs_per_chunk * triton.cdiv(tokens, chunk) < \
+            BACKWARD_PROGRAMS:
+        chunk //= 2
     return Launch(forward_tokens=16, forward_warps=4, backward_chunk=chunk, backward_rows=4,
                   backward_warps=1)
 
@@ -246,46 +258,52 @@ def forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionSh
 
 def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionShape,
                   dq, dk, dv, dg, dbeta, seq_start=None, use_qk_l2norm=True,
-                  conv_rounding="once", eps=1e-6, dqkvzba=None):
-    """The gradients of qkvzba (its gate slice left unwritten, for the caller), the conv weight
-    (in its shape), the conv bias (None without one), A_log and dt_bias. ``dqkvzba``: the buffer
-    to write (qkvzba's shape), e.g. one whose gate slice already holds the gate's gradient."""
+                  conv_rounding="once", eps=1e-6, dqkvzba=None, dgate=None):
+    """The gradients of qkvzba, the conv weight (in its shape), the conv bias (None without
+    one), A_log and dt_bias. ``dqkvzba``: the buffer to write (qkvzba's shape), e.g. one whose
+    gate slice already holds the gate's gradient; ``dgate``: the gate's gradient to copy into
+    it (any [B, S, Hv, Dv]-sized tensor), None to leave the gate slice unwritten."""
     batch, seq, _ = qkvzba.shape
-    hk, hv = shape.key_heads, shape.value_heads
+    hk, hv, width = shape.key_heads, shape.value_heads, shape.conv_width
+    channels = shape.conv_channels
     device = qkvzba.device
     if dqkvzba is None:
         dqkvzba = gradient_buffer(qkvzba)
-    launch = launch_for(shape, seq)
+    launch = launch_for(shape, batch * seq)
     chunks = triton.cdiv(seq, launch.backward_chunk)
-    channels = shape.conv_channels
-    f32 = dict(dtype=torch.float32, device=device)
-    # the kernel writes every partial (one row per program); no program runs on empty input
-    new = torch.empty if seq and batch else torch.zeros
-    da_partial = new(batch * chunks, hv, **f32)
-    ddt_partial = new(batch * chunks, hv, **f32)
-    dw_partial = new(batch * chunks, channels, shape.conv_width, **f32)
-    db_partial = new(batch * chunks, channels, **f32)
+    bias_columns = channels if conv_bias is not None else 0
+    columns = channels * width + bias_columns + 2 * hv
+    # one row per (batch, chunk), every column written by the kernel
+    partial = torch.empty(batch * chunks, columns, dtype=torch.float32, device=device)
+    if dgate is not None:
+        dgate = dgate.reshape(batch, seq, hv * shape.value_dim)
+        if dgate.shape[2] > 1 and dgate.stride(2) != 1:
+            dgate = dgate.contiguous()
     if seq and batch:
         weight = conv_weight.view(channels, -1)
         pre_gdr_bwd[(2 * hk + hv + 1, chunks, batch)](
             x=qkvzba, w=weight, bias=conv_bias, a_log=A_log, dt_bias=dt_bias,
-            seq_start=seq_start, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dx=dqkvzba,
-            dw_partial=dw_partial, db_partial=db_partial, da_partial=da_partial,
-            ddt_partial=ddt_partial,
+            seq_start=seq_start, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
+            dgate=dqkvzba if dgate is None else dgate, dx=dqkvzba, partial=partial,
             S=seq, sb=qkvzba.stride(0), ss=qkvzba.stride(1), w_stride_c=weight.stride(0),
             w_stride_k=weight.stride(1), dx_sb=dqkvzba.stride(0), dx_ss=dqkvzba.stride(1),
+            dgate_sb=0 if dgate is None else dgate.stride(0),
+            dgate_ss=0 if dgate is None else dgate.stride(1),
             chunk=launch.backward_chunk, **_dims(shape), ROWS=launch.backward_rows,
             BT=DECAY_TOKENS, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
             BH=_block(hv), **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
-            num_warps=launch.backward_warps,
+            COPY_GATE=dgate is not None, num_warps=launch.backward_warps,
+            **({} if launch.backward_registers is None else
+               dict(maxnreg=launch.backward_registers)),
         )
-    # fixed-order fp32 sums of the partials, one rounding each
-    dweight = dw_partial.sum(0).view(conv_weight.shape).to(conv_weight.dtype)
-    dbias = None if conv_bias is None else db_partial.sum(0).to(conv_bias.dtype)
-    a = A_log.float().exp()
-    da_log = (-(da_partial.sum(0)) * a).to(A_log.dtype)
-    ddt_bias = ddt_partial.sum(0).to(dt_bias.dtype)
-    return dqkvzba, dweight, dbias, da_log, ddt_bias
+    dweight = torch.empty(channels, width, dtype=conv_weight.dtype, device=device)
+    dbias = None if conv_bias is None else torch.empty_like(conv_bias)
+    da_log, ddt_bias = torch.empty_like(A_log), torch.empty_like(dt_bias)
+    pre_gdr_bwd_sums[(triton.cdiv(columns, SUM_COLUMNS),)](
+        partial=partial, a_log=A_log, dw=dweight, db=dbias, da_log=da_log, ddt_bias=ddt_bias,
+        rows=partial.shape[0], C=channels, K=width, HV=hv, HAS_BIAS=conv_bias is not None,
+        ROWS_PER_STEP=SUM_ROWS, BLOCK=SUM_COLUMNS, num_warps=4)
+    return dqkvzba, dweight.view(conv_weight.shape), dbias, da_log, ddt_bias
 
 
 def gradient_buffer(qkvzba: torch.Tensor) -> torch.Tensor:
@@ -373,12 +391,12 @@ class _FusedPreGatedDeltaRule(torch.autograd.Function):
         gate_grad = dqkvzba[..., shape.gate_slice]
         if dgate is None:
             gate_grad.zero_()
-        elif not _is_view_of(dgate, gate_grad):  # the output norm wrote it there: no copy
-            gate_grad.copy_(dgate.reshape(gate_grad.shape))
+        elif _is_view_of(dgate, gate_grad):  # the output norm wrote it there: no copy
+            dgate = None
         dqkvzba, dweight, dbias, da_log, ddt_bias = backward_impl(
             qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape,
             *output_gradients(qkvzba, shape, dq, dk, dv, dg, dbeta), seq_start, use_qk_l2norm,
-            conv_rounding, eps, dqkvzba=dqkvzba)
+            conv_rounding, eps, dqkvzba=dqkvzba, dgate=dgate)
         return dqkvzba, dweight, dbias, da_log, ddt_bias, None, None, None, None, None, None
 
 

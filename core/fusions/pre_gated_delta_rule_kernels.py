@@ -20,10 +20,10 @@ Backward (fp32 inside; ``round`` where the unfused autograd graph rounds):
   dact  = round(dy rstd - (dy . y) y rstd)        (q/k: the l2norm backward; v: dact = dv)
   dpre  = dact silu'(pre)
   dx[s] = round(sum_j w[c, K-1-j] dpre[s + j])    over the same sequence
-  dw_partial[p, c, j] = sum over the chunk's tokens s of dpre[s] x[s - K + 1 + j]   (in order)
+  dw_partial[p, c, j] = sum over chunk p's tokens s of dpre[s] x[s - K + 1 + j]   (in order)
   dalpha = round(dg (-A) sigmoid(alpha + dt_bias)),  dbeta_in = round(dbeta beta (1 - beta))
   dA_partial[p, h] = sum dg (-A) softplus(..),  ddt_partial[p, h] = sum dg (-A) sigmoid(..)
-The partials are summed in a fixed order on the host side (deterministic).
+The partials are summed in a fixed order by ``pre_gdr_bwd_sums`` (deterministic).
 """
 
 from __future__ import annotations
@@ -220,18 +220,21 @@ def pre_gdr_fwd(
 
 
 @triton.jit
-def _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, seq_start,
-                   first, last, S, tok0, chan0, grad_head, ss, dx_ss, w_stride_c, w_stride_k,
-                   C: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last, S, tok0,
+                   chan0, grad_head, ss, dx_ss, w_stride_c, w_stride_k, dgate_b, dgate_ss,
+                   gate0, C: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                    R: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
                    KEY: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-                   CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr):
+                   CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+                   COPY_GATE: tl.constexpr):
     """The backward of one q/k (``KEY``) or v head (channels from ``chan0``) over the program's
     tokens [first, last), streamed one token at a time (ROWS per loop step, their loads first).
     Token s's dpre needs x at s - K + 1 .. s, and dx[t] needs dpre at t .. t + K - 1: both are
     windows of the last K tokens, kept in registers and shifted by renaming (no value moves
     between threads). The loop runs K - 1 tokens past ``last`` for dx's window (dpre only); dw / db
-    accumulate over the own tokens and are stored once."""
+    accumulate over the own tokens and are stored once (row ``partial_row``: dw as [C, K], then
+    db). COPY_GATE (v heads): also copies the incoming gate gradient's rows of this head (channels
+    from ``gate0``) into dx."""
     DTYPE: tl.constexpr = dx_b.dtype.element_ty
     d = tl.arange(0, BD)
     d_mask = d < D
@@ -317,22 +320,27 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, s
                 dxs += di * taps[K - 1 - i]
             tl.store(dx_b + t.to(tl.int64) * dx_ss + chans, _round_to(dxs, DTYPE).to(DTYPE),
                      mask=d_mask & (t >= first) & (t < last))
+            if COPY_GATE:
+                rows_ok = d_mask & (s < last)
+                in_gate = chan0 - gate0 + d  # this head's gate channels
+                dgate = tl.load(dgate_b + s.to(tl.int64) * dgate_ss + in_gate, mask=rows_ok,
+                                other=0.0)
+                tl.store(dx_b + s.to(tl.int64) * dx_ss + C + in_gate, dgate, mask=rows_ok)
             x_win = window[1:]
             dpre_win = dpres[1:]
             start_win = seq_starts[1:]
-    part = part_row * C + chans
     for j in tl.static_range(K):
-        tl.store(dw_partial + part * K + j, dw[j], mask=d_mask)
+        tl.store(partial_row + chans * K + j, dw[j], mask=d_mask)
     if HAS_BIAS:
-        tl.store(db_partial + part, db, mask=d_mask)
+        tl.store(partial_row + C * K + chans, db, mask=d_mask)
 
 
 @triton.jit
-def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, da_partial, ddt_partial, part_row, first,
-               last, tok0, ss, dx_ss, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-               DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, partial_row, first, last, tok0, ss, dx_ss,
+               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BT: tl.constexpr, BH: tl.constexpr):
     """dbeta_in, dalpha of tokens [first, last) in blocks of BT, and their dA / ddt_bias
-    partials (block sums added in order)."""
+    partials (block sums added in order) at ``partial_row`` and HV after it."""
     DTYPE: tl.constexpr = dx_b.dtype.element_ty
     da_sum = tl.zeros((BH,), dtype=tl.float32)
     ddt_sum = tl.zeros((BH,), dtype=tl.float32)
@@ -354,46 +362,92 @@ def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, da_partial, ddt_partial, pa
         da_sum += tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0)
         ddt_sum += tl.sum(tl.where(m, dz, 0.0), 0)
     h = tl.arange(0, BH)
-    tl.store(da_partial + part_row * HV + h, da_sum, mask=h < HV)
-    tl.store(ddt_partial + part_row * HV + h, ddt_sum, mask=h < HV)
+    tl.store(partial_row + h, da_sum, mask=h < HV)
+    tl.store(partial_row + HV + h, ddt_sum, mask=h < HV)
 
 
 @triton.jit
 def pre_gdr_bwd(
-    x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dx,
-    dw_partial, db_partial, da_partial, ddt_partial,
-    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, chunk,
+    x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dgate, dx, partial,
+    S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, dgate_sb, dgate_ss, chunk,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
     ROWS: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BH: tl.constexpr, EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+    COPY_GATE: tl.constexpr,
 ):
     """Program (head, chunk of ``chunk`` tokens, batch), heads as in ``pre_gdr_fwd``. q/k and v
     heads: dx of their channels and the chunk's dw / db partials; the last: dbeta_in, dalpha
-    and the chunk's dA / ddt_bias partials. Partials: row ``batch * chunks + chunk``."""
+    and the chunk's dA / ddt_bias partials. ``partial``: one fp32 row per (batch, chunk),
+    PARTIAL_COLUMNS wide (``pre_gdr_bwd_sums`` adds the rows). COPY_GATE: the v heads also copy
+    ``dgate`` ([B, S, HV * DV], unit last stride) into dx's gate slice."""
     head = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     first = tl.program_id(1) * chunk
     last = tl.minimum(first + chunk, S)
     x_b = x + b * sb
     dx_b = dx + b * dx_sb
-    part_row = b * tl.num_programs(1) + tl.program_id(1)
-    tok0 = b * S
     R: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * DK + HV * DV
+    row = b * tl.num_programs(1) + tl.program_id(1)
+    partial_row = partial + row * _partial_columns(C, K, HV, HAS_BIAS)
+    tok0 = b * S
     if head < 2 * HK:  # q or k: one copy of the code, its gradient picked at run time
         grad = tl.where(head < HK, dq, dk)
         kh = head % HK
-        _bwd_conv_head(x_b, w, bias, grad, dx_b, dw_partial, db_partial, part_row, seq_start,
-                       first, last, S, tok0, head * DK, kh * R, ss, dx_ss, w_stride_c,
-                       w_stride_k, C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM,
-                       CONV_ROUNDING, HAS_BIAS, VARLEN)
+        _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last, S, tok0,
+                       head * DK, kh * R, ss, dx_ss, w_stride_c, w_stride_k, dgate, dgate_ss, 0,
+                       C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM, CONV_ROUNDING,
+                       HAS_BIAS, VARLEN, False)
     elif head < 2 * HK + HV:
         vh = head - 2 * HK
-        _bwd_conv_head(x_b, w, bias, dv, dx_b, dw_partial, db_partial, part_row, seq_start,
-                       first, last, S, tok0, 2 * HK * DK + vh * DV, vh, ss, dx_ss, w_stride_c,
-                       w_stride_k, C, HV, DV, K, 1, BDV, ROWS, EPS, False, USE_QK_L2NORM,
-                       CONV_ROUNDING, HAS_BIAS, VARLEN)
+        _bwd_conv_head(x_b, w, bias, dv, dx_b, partial_row, seq_start, first, last, S, tok0,
+                       2 * HK * DK + vh * DV, vh, ss, dx_ss, w_stride_c, w_stride_k,
+                       dgate + b * dgate_sb, dgate_ss, 2 * HK * DK, C, HV, DV, K, 1, BDV, ROWS,
+                       EPS, False, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN, COPY_GATE)
     else:
-        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, da_partial, ddt_partial, part_row,
-                   first, last, tok0, ss, dx_ss, HK, HV, DK, DV, BT, BH)
+        _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b,
+                   partial_row + C * K + (C if HAS_BIAS else 0), first, last, tok0, ss, dx_ss,
+                   HK, HV, DK, DV, BT, BH)
+
+
+@triton.jit
+def _partial_columns(C: tl.constexpr, K: tl.constexpr, HV: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """Columns of a partial row: dw [C, K], db [C] (with a bias), dA [HV], ddt_bias [HV]."""
+    return C * K + (C if HAS_BIAS else 0) + 2 * HV
+
+
+@triton.jit
+def pre_gdr_bwd_sums(partial, a_log, dw, db, da_log, ddt_bias, rows, C: tl.constexpr,
+                     K: tl.constexpr, HV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ROWS_PER_STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """The parameters' gradients from ``pre_gdr_bwd``'s partial rows, each column summed in a
+    fixed order (fp32, ROWS_PER_STEP rows a step), rounded once to its parameter's dtype:
+    dw, db, dA_log = -exp(A_log) * sum, ddt_bias."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    WIDTH: tl.constexpr = _partial_columns(C, K, HV, HAS_BIAS)
+    col_mask = cols < WIDTH
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    r = tl.arange(0, ROWS_PER_STEP)
+    for r0 in tl.range(0, rows, ROWS_PER_STEP):
+        rr = (r0 + r).to(tl.int64)
+        m = (rr < rows)[:, None] & col_mask[None, :]
+        total += tl.sum(tl.load(partial + rr[:, None] * WIDTH + cols[None, :], mask=m,
+                                other=0.0), 0)
+    CK: tl.constexpr = C * K
+    W_DTYPE: tl.constexpr = dw.dtype.element_ty
+    tl.store(dw + cols, _round_to(total, W_DTYPE).to(W_DTYPE), mask=cols < CK)
+    DECAY0: tl.constexpr = CK + (C if HAS_BIAS else 0)
+    if HAS_BIAS:
+        B_DTYPE: tl.constexpr = db.dtype.element_ty
+        tl.store(db + cols - CK, _round_to(total, B_DTYPE).to(B_DTYPE),
+                 mask=(cols >= CK) & (cols < DECAY0))
+    h = cols - DECAY0
+    is_a = (h >= 0) & (h < HV)
+    A_DTYPE: tl.constexpr = da_log.dtype.element_ty
+    a = _exact_exp(tl.load(a_log + h, mask=is_a, other=0.0).to(tl.float32))
+    tl.store(da_log + h, _round_to(-total * a, A_DTYPE).to(A_DTYPE), mask=is_a)
+    T_DTYPE: tl.constexpr = ddt_bias.dtype.element_ty
+    tl.store(ddt_bias + h - HV, _round_to(total, T_DTYPE).to(T_DTYPE),
+             mask=(h >= HV) & (h < 2 * HV))

@@ -413,9 +413,12 @@ def test_region_shape_and_launch():
     assert shape.conv_channels == 2 * 2 * 12 + 4 * 24
     assert shape.features == shape.conv_channels + 4 * 24 + 2 * 4
     assert shape.gate_slice == slice(144, 240)
-    for tokens in (0, 1, 37, 4096, 10**6):
-        launch = launch_for(shape, tokens)
-        assert launch.backward_chunk >= 1 and launch.backward_rows >= 1, tokens
+    # the backward's chunk: the longest of 16 ... 256 tokens giving 4096 programs
+    chunks = [launch_for(shape, tokens).backward_chunk for tokens in (0, 1, 4096, 10**6)]
+    assert chunks == [16, 16, 16, 256]
+    qwen = RegionShape(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_width=4)
+    assert launch_for(qwen, 4096).backward_chunk == 64  # 65 programs per chunk: 4160
+    assert launch_for(qwen, 2 * 8192).backward_chunk == 256
 
 
 # -------------------------------------------------------------------------------- empty inputs

@@ -19,6 +19,7 @@ lands in the same buffer as the rest. The rounding points are the unfused path's
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -181,22 +182,37 @@ class Launch(NamedTuple):
     backward_registers: Optional[int] = None  # a cap on the backward's registers (maxnreg)
 
 
-# The backward's chunk: the longest of 16 ... 256 tokens that still gives BACKWARD_PROGRAMS
-# programs (about two per one-warp program an H100 holds at once: 132 SMs x 16). Longer chunks
-# read fewer of the K - 1 tokens past their end twice and write fewer partial rows; more
-# programs keep every SM busy (tools/pre_gdr_benchmark.py --sweep).
-MIN_CHUNK, MAX_CHUNK, BACKWARD_PROGRAMS = 16, 256, 4096
+# The backward's chunk of 16 ... 256 tokens: the longest whose one-warp programs fill one wave
+# (at least 90 % of what the GPU holds at once, RESIDENT_PER_SM per SM at the kernel's 128
+# registers) without spilling into a second, or make two waves or more. Longer chunks compute
+# fewer of the K - 1 tokens past their end twice and write fewer partial rows; a wave that
+# spills a few programs into the next leaves the GPU mostly idle for a whole program's time.
+# The fastest of 16 ... 256 at 32, 8 and 4 value heads (S = 4096, B = 1) on an H100
+# (tools/pre_gdr_benchmark.py --sweep; docs/design.md).
+MIN_CHUNK, MAX_CHUNK, RESIDENT_PER_SM = 16, 256, 16
+H100_MULTIPROCESSORS = 132  # without a GPU (the interpreter): as on an H100
 
 
-def launch_for(shape: RegionShape, tokens: int) -> Launch:
-    """Launch sizes for ``tokens`` tokens (batch x sequence) of this shape."""
-    programs_per_chunk = 2 * shape.key_heads + shape.value_heads + 1
+def launch_for(shape: RegionShape, seq: int, batch: int = 1,
+               multiprocessors: int = H100_MULTIPROCESSORS) -> Launch:
+    """Launch sizes for ``batch`` sequences of ``seq`` tokens of this shape."""
+    programs_per_chunk = (2 * shape.key_heads + shape.value_heads + 1) * batch
+    slots = multiprocessors * RESIDENT_PER_SM
     chunk = MAX_CHUNK
-    while chunk > MIN_CHUNK and programs_per_chunk * triton.cdiv(tokens, chunk) < \
-            BACKWARD_PROGRAMS:
+    while chunk > MIN_CHUNK:
+        programs = programs_per_chunk * triton.cdiv(seq, chunk)
+        if 0.9 * slots <= programs <= slots or programs >= 2 * slots:
+            break
         chunk //= 2
     return Launch(forward_tokens=16, forward_warps=4, backward_chunk=chunk, backward_rows=4,
                   backward_warps=1)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H100_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block(n: int) -> int:
@@ -241,7 +257,7 @@ def forward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionSh
     beta = torch.empty(batch, seq, hv, dtype=dtype, device=device)
     if q.numel() == 0 and v.numel() == 0:
         return q, k, v, g, beta
-    launch = launch_for(shape, seq)
+    launch = launch_for(shape, seq, batch, multiprocessors(device))
     weight = conv_weight.view(conv_weight.shape[0], -1)
     grid = (2 * shape.key_heads + hv + 1, triton.cdiv(seq, launch.forward_tokens), batch)
     pre_gdr_fwd[grid](
@@ -269,7 +285,7 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     device = qkvzba.device
     if dqkvzba is None:
         dqkvzba = gradient_buffer(qkvzba)
-    launch = launch_for(shape, batch * seq)
+    launch = launch_for(shape, seq, batch, multiprocessors(device))
     chunks = triton.cdiv(seq, launch.backward_chunk)
     bias_columns = channels if conv_bias is not None else 0
     columns = channels * width + bias_columns + 2 * hv

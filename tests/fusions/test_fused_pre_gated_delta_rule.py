@@ -137,7 +137,7 @@ def test_backward_chunks(chunk, rows, packed, monkeypatch):
         inputs, options = make_region(region, 2, 37, torch.bfloat16), {}
     _, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
     default = fpg.launch_for
-    monkeypatch.setattr(fpg, "launch_for", lambda shape, tokens: default(shape, tokens)._replace(
+    monkeypatch.setattr(fpg, "launch_for", lambda *args: default(*args)._replace(
         backward_chunk=chunk, backward_rows=rows))
     _, grads = compare_with_reference(inputs, region, **options)
     assert torch.equal(grads[0], default_grads[0])
@@ -413,12 +413,16 @@ def test_region_shape_and_launch():
     assert shape.conv_channels == 2 * 2 * 12 + 4 * 24
     assert shape.features == shape.conv_channels + 4 * 24 + 2 * 4
     assert shape.gate_slice == slice(144, 240)
-    # the backward's chunk: the longest of 16 ... 256 tokens giving 4096 programs
-    chunks = [launch_for(shape, tokens).backward_chunk for tokens in (0, 1, 4096, 10**6)]
-    assert chunks == [16, 16, 16, 256]
+    # the backward's chunk: the longest of 16 ... 256 tokens whose programs fill 90-100 % of
+    # one wave (132 SMs x 16 one-warp programs = 2112 on an H100) or make two waves or more
+    assert [launch_for(shape, seq).backward_chunk for seq in (0, 1, 4096, 10**6)] == [
+        16, 16, 16, 256]
     qwen = RegionShape(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_width=4)
-    assert launch_for(qwen, 4096).backward_chunk == 64  # 65 programs per chunk: 4160
-    assert launch_for(qwen, 2 * 8192).backward_chunk == 256
+    chunk = {heads: launch_for(qwen._replace(key_heads=heads // 2, value_heads=heads),
+                               4096).backward_chunk for heads in (32, 8, 4)}
+    assert chunk == {32: 128, 8: 16, 4: 16}  # 2080 programs: one wave; 2176 would spill
+    assert launch_for(qwen, 8192, batch=2).backward_chunk == 128  # 4160 programs at 256
+    assert launch_for(qwen, 4096, multiprocessors=66).backward_chunk == 256  # 1040 of 1056
 
 
 # -------------------------------------------------------------------------------- empty inputs

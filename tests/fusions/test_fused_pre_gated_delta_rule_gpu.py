@@ -131,9 +131,8 @@ def test_backward_chunks_give_the_same_bits(packed, monkeypatch):
     default = fpg.launch_for
     results = {}
     for chunk, rows in ((16, 1), (64, 4), (256, 2)):
-        monkeypatch.setattr(fpg, "launch_for", lambda shape, tokens, chunk=chunk, rows=rows:
-                            default(shape, tokens)._replace(backward_chunk=chunk,
-                                                            backward_rows=rows))
+        monkeypatch.setattr(fpg, "launch_for", lambda *args, chunk=chunk, rows=rows:
+                            default(*args)._replace(backward_chunk=chunk, backward_rows=rows))
         _, grads = region_grads(fused_pre_gated_delta_rule, inputs, TP8, **options)
         results[chunk] = grads[0]
     for chunk, dx in results.items():

@@ -4,9 +4,10 @@ megatron-core's GatedDeltaNet.forward takes the in_proj output ``qkvzba`` (bshd,
 the recurrence's inputs with a transpose, splits, FLA's ``causal_conv1d`` + SiLU (torch's
 ``conv1d`` then the activation in ``deterministic_mode``), reshapes, FLA's q/k ``l2norm``, a head
 ``repeat_interleave`` and ``_compute_g_and_beta``: about ten kernels each way, and a gradient
-assembled from pieces. Here: one forward kernel and one backward kernel
-(``pre_gated_delta_rule_kernels``, formulas there), the gradient of the whole in_proj output
-written into one buffer, every reduction in a fixed order (deterministic).
+assembled from pieces. Here: one forward kernel, and a backward kernel with one more that sums
+its per-chunk partials into the parameters' gradients (``pre_gated_delta_rule_kernels``,
+formulas there), the gradient of the whole in_proj output written into one buffer, every
+reduction in a fixed order (deterministic).
 
     q, k, v, gate, g, beta = fused_pre_gated_delta_rule(
         qkvzba, conv_weight, conv_bias, A_log, dt_bias,

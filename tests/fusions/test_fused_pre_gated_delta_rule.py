@@ -91,8 +91,8 @@ def compare_with_reference(inputs, region, **options):
 
 # (id, region, batch, seq, make_region keywords, options). Each option value runs in one case
 # at least (a few per case keep the interpreter's time down); every case in fp32 and bf16, the
-# first two also in fp16. S = 37: two token blocks; B = 2 in the bshd view of an sbhd buffer
-# (megatron's layout) and as a contiguous bshd tensor.
+# first two also in fp16. S = 37: three forward blocks and three backward chunks of 16 tokens;
+# B = 2 in the bshd view of an sbhd buffer (megatron's layout) and as a contiguous bshd tensor.
 CASES = [
     ("base", Region(), 2, 37, {}, {}),
     ("twice", Region(), 1, 37, {}, dict(conv_rounding="twice")),

@@ -1,7 +1,8 @@
 """Benchmark and GPU parity of the fused pre-recurrence region, on one GPU, in one process.
 
     python tools/pre_gdr_benchmark.py [--out DIR] [--quick]   # GPU: pre_gdr_benchmark.json
-    python tools/pre_gdr_benchmark.py --sweep [--out DIR]     # GPU: pre_gdr_launch_sweep.json
+    python tools/pre_gdr_benchmark.py --sweep [--sweep-kernel backward] [--out DIR]
+                                                              # GPU: pre_gdr_launch_sweep.json
     python tools/pre_gdr_benchmark.py --backward-parts        # GPU: pre_gdr_backward_parts.json
 
 The region: the bshd in_proj output to q, k, v, g, beta (Qwen3-Next per-rank sizes: key and

@@ -211,6 +211,7 @@ def launch_for(shape: RegionShape, seq: int, batch: int = 1,
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
+    """The SM count of ``device`` (queried once per device; no synchronisation)."""
     if device.type != "cuda":
         return H100_MULTIPROCESSORS
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -209,9 +209,10 @@ SWEEP = {  # kernel: the Launch fields it reads and their candidates
 }
 
 
-def sweep_candidates(default: region.Launch, kernels=tuple(SWEEP)):
-    """(kernel, Launch) pairs: one kernel's fields varied, the others at ``default``."""
-    for kernel in kernels:
+def sweep_candidates(default: region.Launch, swept=tuple(SWEEP)):
+    """(kernel, Launch) pairs: one ``swept`` kernel's fields varied, the others at
+    ``default``."""
+    for kernel in swept:
         fields = SWEEP[kernel]
         for values in itertools.product(*fields.values()):
             yield kernel, default._replace(**dict(zip(fields, values)))
@@ -226,7 +227,7 @@ def impl_inputs(batch, seq, hv, device="cuda"):
     return (qkvzba, weight, a_log, dt_bias), shape, [torch.randn_like(o) for o in outs]
 
 
-def sweep(out_dir: str, shapes=SWEEP_SHAPES, kernels=tuple(SWEEP)) -> dict:
+def sweep(out_dir: str, shapes=SWEEP_SHAPES, swept=tuple(SWEEP)) -> dict:
     """GPU time of forward_impl or backward_impl per launch."""
     results = {"env": environment(), "rows": []}
     default_for = region.launch_for
@@ -234,7 +235,7 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES, kernels=tuple(SWEEP)) -> dict:
         for batch, seq, hv in shapes:
             (qkvzba, weight, a_log, dt_bias), shape, grads = impl_inputs(batch, seq, hv)
             best = {}
-            for kernel, launch in sweep_candidates(default_for(shape, seq), kernels):
+            for kernel, launch in sweep_candidates(default_for(shape, seq), swept):
                 region.launch_for = lambda *_, launch=launch: launch
                 if kernel == "forward":
                     us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,

@@ -291,7 +291,7 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     chunks = triton.cdiv(seq, launch.backward_chunk)
     bias_columns = channels if conv_bias is not None else 0
     columns = channels * width + bias_columns + 2 * hv
-    # one row per (batch, chunk), every column written by the kernel
+    # one row per (batch, chunk), every column written by the kernel (its _partial_columns)
     partial = torch.empty(batch * chunks, columns, dtype=torch.float32, device=device)
     if dgate is not None:
         dgate = dgate.reshape(batch, seq, hv * shape.value_dim)

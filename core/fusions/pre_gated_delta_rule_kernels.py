@@ -87,9 +87,9 @@ def _conv_act(pre, DTYPE: tl.constexpr, CONV_ROUNDING: tl.constexpr):
 
 
 @triton.jit
-def _l2_rstd(y, EPS: tl.constexpr):
-    """FLA's l2norm: 1 / sqrt(sum over the head of y^2 + eps), per row."""
-    return 1 / tl.sqrt(tl.sum(y * y, 1) + EPS)
+def _l2_rstd(y, EPS: tl.constexpr, HEAD_AXIS: tl.constexpr):
+    """FLA's l2norm: 1 / sqrt(sum over the head (``HEAD_AXIS``) of y^2 + eps)."""
+    return 1 / tl.sqrt(tl.sum(y * y, HEAD_AXIS) + EPS)
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def _fwd_key_head(x_b, w, bias, out, t, t_mask, tok, start, head, kh, ss, w_stri
                     bias, ss, K, HAS_BIAS)
     y = _conv_act(pre, DTYPE, CONV_ROUNDING)
     if USE_QK_L2NORM:
-        y = _round_to(y * _l2_rstd(y, EPS)[:, None], DTYPE)
+        y = _round_to(y * _l2_rstd(y, EPS, 1)[:, None], DTYPE)
     m = t_mask[:, None] & d_mask[None, :]
     for i in tl.static_range(R):
         tl.store(out + (tok * HV + kh * R + i) * DK + d[None, :], y.to(DTYPE), mask=m)
@@ -297,7 +297,7 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
             dact = dys[u]
             if KEY and USE_QK_L2NORM:
                 y = _conv_act(pre, DTYPE, CONV_ROUNDING)
-                rstd = 1 / tl.sqrt(tl.sum(y * y, 0) + EPS)
+                rstd = _l2_rstd(y, EPS, 0)
                 y = y * rstd
                 dact = _round_to(dact * rstd - tl.sum(dact * y, 0) * y * rstd, DTYPE)
             p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
@@ -358,7 +358,7 @@ def _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b, partial_row, first, last, t
         tl.store(dx_decay + h[None, :], _round_to(dbeta_v * sb_ * (1.0 - sb_), DTYPE).to(DTYPE),
                  mask=m)
         tl.store(dx_decay + HV + h[None, :], _round_to(dz, DTYPE).to(DTYPE), mask=m)
-        # dA_log = exp(A_log) * sum(dg * -softplus): the host multiplies by -exp(A_log)
+        # dA_log = exp(A_log) * sum(dg * -softplus): pre_gdr_bwd_sums multiplies by -exp(A_log)
         da_sum += tl.sum(tl.where(m, dg_v * _softplus(z), 0.0), 0)
         ddt_sum += tl.sum(tl.where(m, dz, 0.0), 0)
     h = tl.arange(0, BH)
@@ -379,7 +379,7 @@ def pre_gdr_bwd(
     """Program (head, chunk of ``chunk`` tokens, batch), heads as in ``pre_gdr_fwd``. q/k and v
     heads: dx of their channels and the chunk's dw / db partials; the last: dbeta_in, dalpha
     and the chunk's dA / ddt_bias partials. ``partial``: one fp32 row per (batch, chunk),
-    PARTIAL_COLUMNS wide (``pre_gdr_bwd_sums`` adds the rows). COPY_GATE: the v heads also copy
+    ``_partial_columns`` wide (``pre_gdr_bwd_sums`` adds the rows). COPY_GATE: the v heads also copy
     ``dgate`` ([B, S, HV * DV], unit last stride) into dx's gate slice."""
     head = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)

@@ -204,8 +204,8 @@ def run(shapes, out_dir: str, with_parity: bool) -> dict:
 SWEEP_SHAPES = [(1, 4096, 32), (1, 4096, 8), (1, 4096, 4)]
 SWEEP = {  # kernel: the Launch fields it reads and their candidates
     "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
-    "backward": {"backward_chunk": (16, 32, 64, 128, 256), "backward_rows": (2, 4),
-                 "backward_registers": (None, 96, 80)},
+    "backward": {"backward_chunk": (16, 32, 64, 128, 256), "backward_rows": (2, 4, 8),
+                 "backward_warps": (1, 2), "backward_stages": (1, 2, 3)},
 }
 
 

@@ -180,7 +180,7 @@ class Launch(NamedTuple):
     backward_chunk: int  # tokens per program of the backward, streamed
     backward_rows: int  # tokens per step of its loop (their loads issued together)
     backward_warps: int
-    backward_registers: Optional[int] = None  # a cap on the backward's registers (maxnreg)
+    backward_stages: int = 1  # > 1: the loads of the next stages - 1 loop steps in flight
 
 
 # The backward's chunk of 16 ... 256 tokens: the longest whose one-warp programs fill one wave
@@ -310,9 +310,8 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
             chunk=launch.backward_chunk, **_dims(shape), ROWS=launch.backward_rows,
             BT=DECAY_TOKENS, BDK=_block(shape.key_dim), BDV=_block(shape.value_dim),
             BH=_block(hv), **_flags(conv_bias, seq_start, use_qk_l2norm, conv_rounding, eps),
-            COPY_GATE=dgate is not None, num_warps=launch.backward_warps,
-            **({} if launch.backward_registers is None else
-               dict(maxnreg=launch.backward_registers)),
+            COPY_GATE=dgate is not None, STAGES=launch.backward_stages,
+            num_warps=launch.backward_warps,
         )
     dweight = torch.empty(channels, width, dtype=conv_weight.dtype, device=device)
     dbias = None if conv_bias is None else torch.empty_like(conv_bias)

@@ -223,12 +223,13 @@ def pre_gdr_fwd(
 def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last, S, tok0,
                    chan0, grad_head, ss, dx_ss, w_stride_c, w_stride_k, dgate_b, dgate_ss,
                    gate0, C: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                   R: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
-                   KEY: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-                   CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
-                   COPY_GATE: tl.constexpr):
+                   R: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
+                   STAGES: tl.constexpr, EPS: tl.constexpr, KEY: tl.constexpr,
+                   USE_QK_L2NORM: tl.constexpr, CONV_ROUNDING: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, COPY_GATE: tl.constexpr):
     """The backward of one q/k (``KEY``) or v head (channels from ``chan0``) over the program's
-    tokens [first, last), streamed one token at a time (ROWS per loop step, their loads first).
+    tokens [first, last), streamed one token at a time (ROWS per loop step, their loads first;
+    STAGES > 1: the loads of the next STAGES - 1 steps in flight, through shared memory).
     Token s's dpre needs x at s - K + 1 .. s, and dx[t] needs dpre at t .. t + K - 1: both are
     windows of the last K tokens, kept in registers and shifted by renaming (no value moves
     between threads). The loop runs K - 1 tokens past ``last`` for dx's window (dpre only); dw / db
@@ -260,7 +261,7 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
     for j in tl.static_range(K):
         dw = dw + (zero,)
     db = zero
-    for s0 in tl.range(first, last + K - 1, ROWS):
+    for s0 in tl.range(first, last + K - 1, ROWS, num_stages=STAGES):
         # loads of ROWS tokens first: the dx stores below could alias them for the compiler
         xs = ()
         starts = ()
@@ -371,8 +372,8 @@ def pre_gdr_bwd(
     x, w, bias, a_log, dt_bias, seq_start, dq, dk, dv, dg, dbeta, dgate, dx, partial,
     S, sb, ss, w_stride_c, w_stride_k, dx_sb, dx_ss, dgate_sb, dgate_ss, chunk,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    ROWS: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BH: tl.constexpr, EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    ROWS: tl.constexpr, STAGES: tl.constexpr, BT: tl.constexpr, BDK: tl.constexpr,
+    BDV: tl.constexpr, BH: tl.constexpr, EPS: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     CONV_ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
     COPY_GATE: tl.constexpr,
 ):
@@ -397,14 +398,15 @@ def pre_gdr_bwd(
         kh = head % HK
         _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last, S, tok0,
                        head * DK, kh * R, ss, dx_ss, w_stride_c, w_stride_k, dgate, dgate_ss, 0,
-                       C, HV, DK, K, R, BDK, ROWS, EPS, True, USE_QK_L2NORM, CONV_ROUNDING,
-                       HAS_BIAS, VARLEN, False)
+                       C, HV, DK, K, R, BDK, ROWS, STAGES, EPS, True, USE_QK_L2NORM,
+                       CONV_ROUNDING, HAS_BIAS, VARLEN, False)
     elif head < 2 * HK + HV:
         vh = head - 2 * HK
         _bwd_conv_head(x_b, w, bias, dv, dx_b, partial_row, seq_start, first, last, S, tok0,
                        2 * HK * DK + vh * DV, vh, ss, dx_ss, w_stride_c, w_stride_k,
                        dgate + b * dgate_sb, dgate_ss, 2 * HK * DK, C, HV, DV, K, 1, BDV, ROWS,
-                       EPS, False, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN, COPY_GATE)
+                       STAGES, EPS, False, USE_QK_L2NORM, CONV_ROUNDING, HAS_BIAS, VARLEN,
+                       COPY_GATE)
     else:
         _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b,
                    partial_row + C * K + (C if HAS_BIAS else 0), first, last, tok0, ss, dx_ss,

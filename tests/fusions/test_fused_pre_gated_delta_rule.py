@@ -123,11 +123,12 @@ def test_matches_the_reference(case, dtype):
 
 
 # Backward chunks over S = 37: of 5 tokens (8 chunks, shorter than the conv's window K - 1 = 3
-# plus one), of 16 (3, the last short), and one chunk; loop steps of 1 to 3 tokens; a register
-# cap (compiled: maxnreg).
-@pytest.mark.parametrize("chunk, rows, registers", [(5, 1, None), (16, 3, 96), (64, 2, None)])
+# plus one), of 16 (3, the last short), and one chunk; loop steps of 1 to 3 tokens; 2 warps and
+# loads 2 or 3 steps ahead (compiled: the interpreter runs them as the default).
+@pytest.mark.parametrize("chunk, rows, warps, stages", [(5, 1, 1, 1), (16, 3, 2, 3),
+                                                        (64, 2, 1, 2)])
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
-def test_backward_chunks(chunk, rows, registers, packed, monkeypatch):
+def test_backward_chunks(chunk, rows, warps, stages, packed, monkeypatch):
     """Other backward launches against the reference, and d(qkvzba) the same bits as the
     default launch's (only dw's partials follow the chunks)."""
     region = Region()
@@ -139,7 +140,7 @@ def test_backward_chunks(chunk, rows, registers, packed, monkeypatch):
     _, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
     default = fpg.launch_for
     monkeypatch.setattr(fpg, "launch_for", lambda *args: default(*args)._replace(
-        backward_chunk=chunk, backward_rows=rows, backward_registers=registers))
+        backward_chunk=chunk, backward_rows=rows, backward_warps=warps, backward_stages=stages))
     _, grads = compare_with_reference(inputs, region, **options)
     assert torch.equal(grads[0], default_grads[0])
 

@@ -124,15 +124,17 @@ def test_packed_sequences():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
 def test_backward_chunks_give_the_same_bits(packed, monkeypatch):
-    """d(qkvzba) at TP 8's sizes bitwise equal with chunks of 16, 64 and 256 tokens and 1 or
-    4 tokens per loop step: each chunk computes the K - 1 dpre rows after it itself."""
+    """d(qkvzba) at TP 8's sizes bitwise equal with chunks of 16, 64 and 256 tokens, 1 to 4
+    tokens per loop step and loads up to 2 steps ahead: each chunk computes the K - 1 dpre rows
+    after it itself."""
     batch, options = (1, dict(cu_seqlens=_cu_seqlens(UNEQUAL))) if packed else (2, {})
     inputs = make_region(TP8, batch, SEQ, torch.bfloat16, seed=5)
     default = fpg.launch_for
     results = {}
-    for chunk, rows in ((16, 1), (64, 4), (256, 2)):
-        monkeypatch.setattr(fpg, "launch_for", lambda *args, chunk=chunk, rows=rows:
-                            default(*args)._replace(backward_chunk=chunk, backward_rows=rows))
+    for chunk, rows, stages in ((16, 1, 1), (64, 4, 3), (256, 2, 2)):
+        monkeypatch.setattr(fpg, "launch_for", lambda *args, chunk=chunk, rows=rows, stages=stages:
+                            default(*args)._replace(backward_chunk=chunk, backward_rows=rows,
+                                                    backward_stages=stages))
         _, grads = region_grads(fused_pre_gated_delta_rule, inputs, TP8, **options)
         results[chunk] = grads[0]
     for chunk, dx in results.items():

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from core.fusions.gated_norm_kernels import (INTERPRETED, _activation, _activation_grad,
-                                             _round_to, _sigmoid)
+from core.fusions.gated_norm_kernels import (INTERPRETED, _activation, _exp_neg, _round_to,
+                                             _sigmoid)
 
 # torch's expf / log1pf / IEEE division for g and beta (a few values per token, where bitwise
 # agreement with the unfused path is cheap); the interpreter has no libdevice log1p.
@@ -56,6 +56,18 @@ def _exact_sigmoid(v):
     else:
         s = 1.0 / (1.0 + tl.exp(-v))
     return s
+
+
+@triton.jit
+def _reciprocal(v):
+    """1 / v for v >= 1 with the bits of Triton's division up to 2^126, in 1 instruction instead
+    of 5 (SASS, sm_90): div.full.f32 is MUFU.RCP with its operand scaled above 2^126 only;
+    div.approx (fast_dividef) is MUFU.RCP alone, 0 above 2^126 (1 + exp(-p) there: p < -87)."""
+    if _LIBDEVICE:
+        r = libdevice.fast_dividef(1.0, v)
+    else:
+        r = 1.0 / v
+    return r
 
 
 @triton.jit
@@ -295,14 +307,16 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
                 pre += xj * taps[j]
             if HAS_BIAS:
                 pre += b_c
+            # the SiLU's input p and sigmoid(p), as _conv_act takes them (p * sig: its act)
+            p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
+            sig = _reciprocal(1.0 + _exp_neg(p))
             dact = dys[u]
             if KEY and USE_QK_L2NORM:
-                y = _conv_act(pre, DTYPE, CONV_ROUNDING)
+                y = _round_to(p * sig, DTYPE)
                 rstd = _l2_rstd(y, EPS, 0)
                 y = y * rstd
                 dact = _round_to(dact * rstd - tl.sum(dact * y, 0) * y * rstd, DTYPE)
-            p = _round_to(pre, DTYPE) if CONV_ROUNDING == "twice" else pre
-            dpre = dact * _activation_grad(p, "silu")
+            dpre = dact * (sig * (1.0 + p * (1.0 - sig)))  # torch's silu_backward formula
             owned = tl.where(s < last, dpre, 0.0)
             new_dw = ()
             for j in tl.static_range(K):

@@ -1,8 +1,11 @@
-"""Compile the fused gated norm's kernels for an sm_90 GPU (H100/H200) on any machine, no GPU
-needed, and report what the GPU would run: the layout of the row reduction and the SASS size.
+"""Compile the fused kernels for an sm_90 GPU (H100/H200) on any machine, no GPU needed, and
+report what the GPU would run: for the gated norm the layout of the row reduction and the SASS
+size, for the pre-recurrence region registers, spills, shared memory and programs per SM.
 
     python tools/kernel_ir.py --dim 128 --bt 16 --warps 8 [--bt 8 --warps 2] [--unaligned]
     python tools/kernel_ir.py --kernel bwd --dim 128 --bt 8 --warps 4 --dump /tmp/ir
+    python tools/kernel_ir.py --kernel pre_gdr_bwd --value-heads 32 --bt 4 --warps 1 \
+                              [--stages 1] [--bt 4 --warps 2 --stages 2]
 
 Each ``--bt``/``--warps`` pair is one launch configuration; the arguments are exactly the ones
 ``forward_impl`` / ``backward_impl`` pass (their launch is recorded, not run). ``row_layout`` is
@@ -12,8 +15,12 @@ same row layout give every row the same bits (docs/design.md, Launch choices).
 ``exp2_instructions``: the PTX ``ex2`` forms the gate activation compiles to. ``--unaligned``
 offsets every [B, S, H, D] tensor by one element (no 16-byte alignment); ``--dw-sum-as-usual``
 launches the backward's dW sum as usual (``backward_impl(dw_sum_pdl=False)``) instead of early.
-Uses Triton internals (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7;
-prints JSON.
+``pre_gdr_fwd`` / ``pre_gdr_bwd``: the region's kernels at Qwen3-Next's per-rank sizes with
+``--value-heads`` (bf16, B = 1, the bshd view of an sbhd in_proj output) under ``launch_for``'s
+launch at S = 4096, with the given tokens per program (forward) or per loop step (backward) as
+``--bt``, warps, and loop stages (``--stages``, backward); ``programs_per_sm`` is what an H100 /
+H200 SM holds at once (registers, shared memory, warp and program limits). Uses Triton
+internals (``create_function_from_signature``, ``ASTSource``) as of Triton 3.7; prints JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import core.fusions.fused_gated_norm as fgn  # noqa: E402
+import core.fusions.fused_pre_gated_delta_rule as region  # noqa: E402
 import core.fusions.gated_norm_kernels as kernels  # noqa: E402
 import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
 import core.fusions.gated_norm_plans as plans  # noqa: E402
@@ -93,12 +101,13 @@ def h200_launch_rules():
         plans._launch_plans.update(kept)
 
 
-def sm90_binder(kernel):
-    """Triton's own argument binder for ``kernel`` (a @triton.jit function of gated_norm_kernels)
-    and an sm_90 target: ``binder(*args, **kwargs) -> (bound, specialization, options)``, the
-    specialisation and options being the compiled-kernel cache key. Built from the kernel's
-    Python source, so it works with the interpreter on too; returns (binder, jit, backend)."""
-    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=kernels.PER_STEP_ARGS)
+def sm90_binder(kernel, do_not_specialize=kernels.PER_STEP_ARGS):
+    """Triton's own argument binder for ``kernel`` (a @triton.jit function; the gated norm's
+    kernels leave ``do_not_specialize`` unspecialised) and an sm_90 target: ``binder(*args,
+    **kwargs) -> (bound, specialization, options)``, the specialisation and options being the
+    compiled-kernel cache key. Built from the kernel's Python source, so it works with the
+    interpreter on too; returns (binder, jit, backend)."""
+    jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=do_not_specialize)
     if isinstance(jit.fn, JITFunction):
         jit = jit.fn
     backend = make_backend(SM90)
@@ -154,9 +163,13 @@ def _recorded_launch(kernel, x, gate, weight, dy, bt, warps, unaligned, dw_sum_p
     return (dw_sum if kernel == "dw_sum" else main)[0]
 
 
-def compile_sm90(kernel: str, args: tuple, kwargs: dict):
-    """What JITFunction.run compiles for these arguments, for an sm_90 target."""
-    binder, jit, backend = sm90_binder(getattr(kernels, KERNELS[kernel]))
+def compile_sm90(kernel, args: tuple, kwargs: dict):
+    """What JITFunction.run compiles for these arguments, for an sm_90 target (``kernel``: a
+    name of KERNELS, or a region kernel)."""
+    if isinstance(kernel, str):
+        binder, jit, backend = sm90_binder(getattr(kernels, KERNELS[kernel]))
+    else:
+        binder, jit, backend = sm90_binder(kernel, do_not_specialize=())
     bound, specialization, options = binder(*args, **kwargs)
     kinds = [s[0] for s in specialization]
     constexprs = {path: get_iterable_path(list(bound.values()), path)
@@ -181,14 +194,17 @@ def row_layouts(ttgir: str) -> list[dict]:
     return found
 
 
-def sass_instructions(cubin: bytes) -> int:
+def _cuobjdump(cubin: bytes, option: str) -> str:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], check=True, capture_output=True,
-                              text=True).stdout
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))
+        return subprocess.run([str(cuobjdump), option, f.name], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def sass_instructions(cubin: bytes) -> int:
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", _cuobjdump(cubin, "-sass"), re.M))
 
 
 def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: bool,
@@ -222,30 +238,122 @@ def before_loading(ptx: str, instruction: str) -> bool:
     return found >= 0 and (load < 0 or found < load)
 
 
+# ----------------------------------------------------------------------------------------------
+# The pre-recurrence region's kernels
+# ----------------------------------------------------------------------------------------------
+
+REGION_KERNELS = ("pre_gdr_fwd", "pre_gdr_bwd")
+REGION_DIM, REGION_WIDTH, REGION_SEQ = 128, 4, 256  # Qwen3-Next's head dims and conv width
+# An sm_90 SM (CUDA's occupancy rules): registers per sub-partition (4 per SM), allocated per
+# warp in units of 256; shared memory, 1 KB of it reserved per program; programs; warps.
+SUB_PARTITION_REGISTERS, SM_SHARED, SHARED_RESERVED, SM_PROGRAMS, SM_WARPS = (
+    16384, 233472, 1024, 32, 64)
+
+
+def region_shape(value_heads: int):
+    return region.RegionShape(value_heads // 2, value_heads, REGION_DIM, REGION_DIM,
+                              REGION_WIDTH)
+
+
+def region_launch_arguments(kernel: str, value_heads: int, launch) -> tuple[tuple, dict]:
+    """The arguments forward_impl (``pre_gdr_fwd``) or backward_impl (``pre_gdr_bwd``) passes
+    at these sizes under ``launch`` (a ``Launch``), recorded from CPU tensors, never run."""
+    shape = region_shape(value_heads)
+    sbhd = torch.zeros(REGION_SEQ, 1, shape.features, dtype=torch.bfloat16)
+    weight = torch.zeros(shape.conv_channels, 1, REGION_WIDTH, dtype=torch.bfloat16)
+    a_log, dt_bias = (torch.zeros(value_heads, dtype=torch.bfloat16) for _ in range(2))
+    inputs = (sbhd.transpose(0, 1), weight, None, a_log, dt_bias, shape)
+    saved = (region.launch_for, region.pre_gdr_fwd, region.pre_gdr_bwd, region.pre_gdr_bwd_sums)
+    recorder = _Recorder()
+    region.launch_for = lambda *_: launch
+    region.pre_gdr_fwd = region.pre_gdr_bwd = recorder
+    region.pre_gdr_bwd_sums = _Recorder()
+    try:
+        if kernel == "pre_gdr_fwd":
+            region.forward_impl(*inputs)
+        else:
+            q = torch.zeros(1, REGION_SEQ, value_heads, REGION_DIM, dtype=torch.bfloat16)
+            g = torch.zeros(1, REGION_SEQ, value_heads)
+            region.backward_impl(*inputs, q, q, q, g, g.to(torch.bfloat16))
+    finally:
+        (region.launch_for, region.pre_gdr_fwd, region.pre_gdr_bwd,
+         region.pre_gdr_bwd_sums) = saved
+    return recorder.launches[0]
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and stack (spill) bytes per thread of the cubin's kernel."""
+    usage = _cuobjdump(cubin, "--dump-resource-usage")
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
+
+
+def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
+    """Programs of ``warps`` warps an sm_90 SM holds at once."""
+    warp_registers = -(-registers * 32 // 256) * 256
+    by_registers = 4 * (SUB_PARTITION_REGISTERS // warp_registers) // warps
+    by_shared = SM_SHARED // (shared_bytes + SHARED_RESERVED)
+    return min(by_registers, by_shared, SM_PROGRAMS, SM_WARPS // warps)
+
+
+def describe_region(kernel: str, value_heads: int, bt: int, warps: int, stages: int = 1) -> dict:
+    """The compiled ``kernel`` at ``value_heads`` under launch_for's launch at S = 4096 with
+    ``bt`` tokens per program (forward) or per loop step (backward), ``warps`` and ``stages``."""
+    launch = region.launch_for(region_shape(value_heads), 4096)
+    if kernel == "pre_gdr_fwd":
+        launch = launch._replace(forward_tokens=bt, forward_warps=warps)
+    else:
+        launch = launch._replace(backward_rows=bt, backward_warps=warps, backward_stages=stages)
+    compiled = compile_sm90(getattr(region, kernel),
+                            *region_launch_arguments(kernel, value_heads, launch))
+    usage = resource_usage(compiled.asm["cubin"])
+    shared = compiled.metadata.shared
+    return {"kernel": kernel, "value_heads": value_heads, "bt": bt, "warps": warps,
+            "stages": stages, **usage, "shared_bytes": shared,
+            "programs_per_sm": programs_per_sm(usage["registers"], warps, shared),
+            "sass_instructions": sass_instructions(compiled.asm["cubin"])}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=tuple(KERNELS), default="fwd",
+    parser.add_argument("--kernel", choices=tuple(KERNELS) + REGION_KERNELS, default="fwd",
                         help="dw_sum: the backward's dW sum, for the backward block --bt/--warps")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    parser.add_argument("--bt", type=int, action="append", required=True)
+    parser.add_argument("--bt", type=int, action="append", required=True,
+                        help="rows per block (pre_gdr_bwd: tokens per loop step)")
     parser.add_argument("--warps", type=int, action="append", required=True)
+    parser.add_argument("--stages", type=int, action="append",
+                        help="pre_gdr_bwd: loop stages, one per --bt (default: 1 each)")
+    parser.add_argument("--value-heads", type=int, default=32,
+                        help="pre_gdr_*: value heads per rank, even")
     parser.add_argument("--unaligned", action="store_true")
     parser.add_argument("--dw-sum-as-usual", action="store_true",
                         help="the backward's dW sum launched as usual, not early (programmatic "
                              "dependent launch)")
     parser.add_argument("--dump", help="folder for the TTGIR and PTX of each configuration")
     args = parser.parse_args(argv)
-    if len(args.bt) != len(args.warps):
-        parser.error("give one --warps per --bt")
+    stages = args.stages or [1] * len(args.bt)
+    if len(args.bt) != len(args.warps) or len(stages) != len(args.bt):
+        parser.error("give one --warps (and --stages, if any) per --bt")
     if not 1 <= args.dim <= launch_rules.MAX_HEAD_DIM:
         parser.error(f"--dim must be in [1, {launch_rules.MAX_HEAD_DIM}], got {args.dim}")
-    for name, values in (("--bt", args.bt), ("--warps", args.warps)):
+    powers = [("--warps", args.warps)]
+    if args.kernel != "pre_gdr_bwd":  # its tokens per step are any count
+        powers.append(("--bt", args.bt))
+    for name, values in powers:
         if any(v < 1 or v & (v - 1) for v in values):
             parser.error(f"{name} must be powers of two, got {values}")
-    print(json.dumps([describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned,
-                               args.dump, False if args.dw_sum_as_usual else None)
-                      for bt, warps in zip(args.bt, args.warps)], indent=1))
+    if args.kernel in REGION_KERNELS:
+        if args.value_heads < 2 or args.value_heads % 2 or min(args.bt + stages) < 1:
+            parser.error("--value-heads must be even and positive, --bt and --stages positive")
+        reports = [describe_region(args.kernel, args.value_heads, bt, warps, st)
+                   for bt, warps, st in zip(args.bt, args.warps, stages)]
+    else:
+        reports = [describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned,
+                            args.dump, False if args.dw_sum_as_usual else None)
+                   for bt, warps in zip(args.bt, args.warps)]
+    print(json.dumps(reports, indent=1))
 
 
 if __name__ == "__main__":

@@ -169,3 +169,29 @@ def test_bad_arguments_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit):
         tool.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value_heads", [32, 4])
+def test_region_backward_holds_the_programs_its_launch_rule_counts(value_heads):
+    # launch_for sizes the backward's chunks by RESIDENT_PER_SM one-warp programs per SM: what
+    # the compiled kernel's registers allow (its default launch, at TP 1 and TP 8 head counts).
+    # Loads kept 2 steps ahead (--stages 3) take shared memory (2 steps' x rows alone: 2 x 4
+    # tokens x 128 channels x 2 bytes), not registers.
+    from core.fusions.fused_pre_gated_delta_rule import RESIDENT_PER_SM
+
+    default, staged = kernel_ir("--kernel", "pre_gdr_bwd", "--value-heads", str(value_heads),
+                                "--bt", "4", "--warps", "1", "--bt", "4", "--warps", "1",
+                                "--stages", "1", "--stages", "3")
+    assert default["programs_per_sm"] == RESIDENT_PER_SM, default
+    assert default["stack_bytes"] == 0 and default["sass_instructions"] > 1000, default
+    assert staged["registers"] == default["registers"], staged
+    assert staged["shared_bytes"] >= default["shared_bytes"] + 2 * 4 * 128 * 2, staged
+
+
+@pytest.mark.parametrize("registers, warps, shared, programs", [
+    (128, 1, 512, 16), (72, 2, 1024, 14), (80, 2, 3080, 12), (32, 1, 0, 32),
+    (64, 4, 6144, 8), (40, 1, 60 * 1024, 3)])
+def test_programs_per_sm(registers, warps, shared, programs):
+    from tools.kernel_ir import programs_per_sm
+
+    assert programs_per_sm(registers, warps, shared) == programs

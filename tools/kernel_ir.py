@@ -296,9 +296,11 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
     return min(by_registers, by_shared, SM_PROGRAMS, SM_WARPS // warps)
 
 
-def describe_region(kernel: str, value_heads: int, bt: int, warps: int, stages: int = 1) -> dict:
+def describe_region(kernel: str, value_heads: int, bt: int, warps: int, stages: int = 1,
+                    dump: str | None = None) -> dict:
     """The compiled ``kernel`` at ``value_heads`` under launch_for's launch at S = 4096 with
-    ``bt`` tokens per program (forward) or per loop step (backward), ``warps`` and ``stages``."""
+    ``bt`` tokens per program (forward) or per loop step (backward), ``warps`` and ``stages``;
+    ``dump``: a folder for its TTGIR, PTX and SASS."""
     launch = region.launch_for(region_shape(value_heads), 4096)
     if kernel == "pre_gdr_fwd":
         launch = launch._replace(forward_tokens=bt, forward_warps=warps)
@@ -308,6 +310,12 @@ def describe_region(kernel: str, value_heads: int, bt: int, warps: int, stages: 
                             *region_launch_arguments(kernel, value_heads, launch))
     usage = resource_usage(compiled.asm["cubin"])
     shared = compiled.metadata.shared
+    if dump:
+        base = Path(dump) / f"{kernel}_hv{value_heads}_bt{bt}_w{warps}_s{stages}"
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            base.with_suffix(f".{ext}").write_text(compiled.asm[ext])
+        base.with_suffix(".sass").write_text(_cuobjdump(compiled.asm["cubin"], "-sass"))
     return {"kernel": kernel, "value_heads": value_heads, "bt": bt, "warps": warps,
             "stages": stages, **usage, "shared_bytes": shared,
             "programs_per_sm": programs_per_sm(usage["registers"], warps, shared),
@@ -331,7 +339,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dw-sum-as-usual", action="store_true",
                         help="the backward's dW sum launched as usual, not early (programmatic "
                              "dependent launch)")
-    parser.add_argument("--dump", help="folder for the TTGIR and PTX of each configuration")
+    parser.add_argument("--dump", help="folder for the TTGIR and PTX (pre_gdr_*: and SASS) of "
+                                       "each configuration")
     args = parser.parse_args(argv)
     stages = args.stages or [1] * len(args.bt)
     if len(args.bt) != len(args.warps) or len(stages) != len(args.bt):
@@ -347,7 +356,7 @@ def main(argv=None) -> None:
     if args.kernel in REGION_KERNELS:
         if args.value_heads < 2 or args.value_heads % 2 or min(args.bt + stages) < 1:
             parser.error("--value-heads must be even and positive, --bt and --stages positive")
-        reports = [describe_region(args.kernel, args.value_heads, bt, warps, st)
+        reports = [describe_region(args.kernel, args.value_heads, bt, warps, st, args.dump)
                    for bt, warps, st in zip(args.bt, args.warps, stages)]
     else:
         reports = [describe(args.kernel, args.dim, args.dtype, bt, warps, args.unaligned,

@@ -141,6 +141,28 @@ def test_backward_chunks_give_the_same_bits(packed, monkeypatch):
         assert torch.equal(dx, results[16]), chunk
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_two_warp_backward(packed, monkeypatch):
+    """The backward in two-warp programs (2 channels a lane; the L2 norm's sums cross the warps)
+    at TP 4's sizes: every gradient no less accurate against float64 than megatron's steps, and
+    d(qkvzba)'s v slice bitwise the one-warp default's (per channel, no sum across channels)."""
+    region = TP4
+    options = dict(cu_seqlens=_cu_seqlens(UNEQUAL)) if packed else {}
+    inputs = make_region(region, 1, SEQ, torch.bfloat16, seed=7)
+    outputs, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
+    cotangents = make_cotangents(outputs)
+    default = fpg.launch_for
+    monkeypatch.setattr(fpg, "launch_for", lambda *args: default(*args)._replace(
+        backward_warps=2, backward_stages=2))
+    _, grads = region_grads(fused_pre_gated_delta_rule, inputs, region, cotangents, **options)
+    _, ref_grads = region_grads(unfused_pre_gated_delta_rule, inputs, region, cotangents,
+                                **options, **megatron_kernels("fla"))
+    _, exact_grads = float64_region_grads(inputs, region, cotangents, **options)
+    assert_accuracy(grads, ref_grads, exact_grads)
+    v = slice(2 * region.key_heads * region.key_dim, region.conv_channels)
+    assert torch.equal(grads[0][..., v], default_grads[0][..., v])
+
+
 def test_cuda_graph_replay_matches_eager():
     """Forward + backward captured in one graph (bshd, B = 2, no cu_seqlens), replayed on new
     values of every input: the same bits as an eager step on them."""

@@ -186,9 +186,9 @@ class Launch(NamedTuple):
 # The backward's chunk of 16 ... 256 tokens: the longest whose one-warp programs fill one wave
 # (at least 90 % of what the GPU holds at once, RESIDENT_PER_SM per SM at the kernel's 128
 # registers: tools/kernel_ir.py, tested) without spilling into a second, or make two waves or
-# more. Longer chunks compute
-# fewer of the K - 1 tokens past their end twice and write fewer partial rows; a wave that
-# spills a few programs into the next leaves the GPU mostly idle for a whole program's time.
+# more. Longer chunks compute fewer of the K - 1 tokens past their end twice and write fewer
+# partial rows; a wave that spills a few programs into the next leaves the GPU mostly idle for
+# a whole program's time.
 # The fastest of 16 ... 256 at 32, 8 and 4 value heads (S = 4096, B = 1) on an H100
 # (tools/pre_gdr_benchmark.py --sweep; docs/design.md).
 MIN_CHUNK, MAX_CHUNK, RESIDENT_PER_SM = 16, 256, 16

@@ -273,6 +273,9 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
     for j in tl.static_range(K):
         dw = dw + (zero,)
     db = zero
+    # the rows of the loop step's first token, moved on by each step
+    x_rows = x_b + first.to(tl.int64) * ss + chans
+    grad_rows = grad + ((tok0 + first) * HV + grad_head) * D + d
     for s0 in tl.range(first, last + K - 1, ROWS, num_stages=STAGES):
         # loads of ROWS tokens first: the dx stores below could alias them for the compiler
         xs = ()
@@ -281,13 +284,12 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
         for u in tl.static_range(ROWS):
             s = s0 + u
             inside = s < S
-            xs = xs + (tl.load(x_b + s.to(tl.int64) * ss + chans, mask=d_mask & inside,
-                               other=0.0).to(tl.float32),)
+            xs = xs + (tl.load(x_rows + u * ss, mask=d_mask & inside, other=0.0).to(tl.float32),)
             if VARLEN:
                 starts = starts + (tl.load(seq_start + s, mask=inside, other=S),)
             else:
                 starts = starts + (0,)
-            g_row = grad + ((tok0 + s) * HV + grad_head) * D + d
+            g_row = grad_rows + u * (HV * D)
             dy = tl.load(g_row, mask=d_mask & inside, other=0.0).to(tl.float32)
             for i in tl.static_range(1, R):  # the head repeat's gradient, autograd's order
                 dy += tl.load(g_row + i * D, mask=d_mask & inside, other=0.0).to(tl.float32)
@@ -344,6 +346,8 @@ def _bwd_conv_head(x_b, w, bias, grad, dx_b, partial_row, seq_start, first, last
             x_win = window[1:]
             dpre_win = dpres[1:]
             start_win = seq_starts[1:]
+        x_rows += ROWS * ss
+        grad_rows += ROWS * HV * D
     for j in tl.static_range(K):
         tl.store(partial_row + chans * K + j, dw[j], mask=d_mask)
     if HAS_BIAS:

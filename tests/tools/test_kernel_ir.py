@@ -176,7 +176,7 @@ def test_region_backward_holds_the_programs_its_launch_rule_counts(value_heads):
     # launch_for sizes the backward's chunks by RESIDENT_PER_SM one-warp programs per SM: what
     # the compiled kernel's registers allow (its default launch, at TP 1 and TP 8 head counts).
     # Loads kept 2 steps ahead (--stages 3) take shared memory (2 steps' x rows alone: 2 x 4
-    # tokens x 128 channels x 2 bytes), not registers.
+    # tokens x 128 channels x 2 bytes), no more registers.
     from core.fusions.fused_pre_gated_delta_rule import RESIDENT_PER_SM
 
     default, staged = kernel_ir("--kernel", "pre_gdr_bwd", "--value-heads", str(value_heads),
@@ -184,7 +184,7 @@ def test_region_backward_holds_the_programs_its_launch_rule_counts(value_heads):
                                 "--stages", "1", "--stages", "3")
     assert default["programs_per_sm"] == RESIDENT_PER_SM, default
     assert default["stack_bytes"] == 0 and default["sass_instructions"] > 1000, default
-    assert staged["registers"] == default["registers"], staged
+    assert staged["registers"] <= default["registers"], staged
     assert staged["shared_bytes"] >= default["shared_bytes"] + 2 * 4 * 128 * 2, staged
 
 

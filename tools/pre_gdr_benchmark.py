@@ -237,14 +237,20 @@ def sweep(out_dir: str, shapes=SWEEP_SHAPES, swept=tuple(SWEEP)) -> dict:
             best = {}
             for kernel, launch in sweep_candidates(default_for(shape, seq), swept):
                 region.launch_for = lambda *_, launch=launch: launch
-                if kernel == "forward":
-                    us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,
-                                                                 dt_bias, shape))
-                else:
-                    us = bench_graph(lambda: region.backward_impl(qkvzba, weight, None, a_log,
-                                                                  dt_bias, shape, *grads))
                 row = {"batch": batch, "seq": seq, "value_heads": hv, "kernel": kernel,
-                       "launch": launch._asdict(), "us": us}
+                       "launch": launch._asdict()}
+                try:
+                    if kernel == "forward":
+                        us = bench_graph(lambda: region.forward_impl(qkvzba, weight, None, a_log,
+                                                                     dt_bias, shape))
+                    else:
+                        us = bench_graph(lambda: region.backward_impl(
+                            qkvzba, weight, None, a_log, dt_bias, shape, *grads))
+                except Exception as e:  # one launch that cannot run costs its row, not the sweep
+                    results["rows"].append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
+                    log(f"{batch}x{seq}x{hv} {kernel} {row['launch']}: {type(e).__name__}")
+                    continue
+                row["us"] = us
                 results["rows"].append(row)
                 if kernel not in best or us < best[kernel]["us"]:
                     best[kernel] = row

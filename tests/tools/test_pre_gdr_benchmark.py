@@ -73,3 +73,27 @@ def test_backward_parts_leave_their_steps_out(monkeypatch):
     monkeypatch.setattr(bench.region, "pre_gdr_bwd", bench.kernels_without(
         ("dx_sum",)).pre_gdr_bwd)
     assert not torch.equal(dx(), full)
+
+
+def test_sweep_keeps_going_past_a_launch_that_fails(monkeypatch, tmp_path):
+    """A launch that cannot run (compile error, out of resources) is recorded with its error;
+    the other launches are still timed and the best is taken among them."""
+    inputs = bench.impl_inputs(1, 40, 2, device="cpu")
+    monkeypatch.setattr(bench, "impl_inputs", lambda *args: inputs)
+    monkeypatch.setattr(bench, "environment", lambda: {})
+
+    def fake_bench_graph(fn):  # a time from the launch launch_for returns now; nothing runs
+        launch = bench.region.launch_for(None, 0)
+        if launch.backward_stages == 3:
+            raise RuntimeError("out of resource: shared memory")
+        return launch.backward_chunk + launch.backward_rows
+
+    monkeypatch.setattr(bench, "bench_graph", fake_bench_graph)
+    results = bench.sweep(str(tmp_path), shapes=[(1, 40, 2)], swept=("backward",))
+    failed = [r for r in results["rows"] if "error" in r]
+    timed = [r for r in results["rows"] if "us" in r]
+    assert failed and all(r["launch"]["backward_stages"] == 3 for r in failed)
+    assert "RuntimeError: out of resource" in failed[0]["error"]
+    assert len(failed) + len(timed) == math.prod(len(v) for v in bench.SWEEP["backward"].values())
+    assert min(r["us"] for r in timed) == 16 + 2
+    assert (tmp_path / "pre_gdr_launch_sweep.json").exists()

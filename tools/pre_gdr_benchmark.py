@@ -206,6 +206,7 @@ SWEEP = {  # kernel: the Launch fields it reads and their candidates
     "forward": {"forward_tokens": (16, 32, 64), "forward_warps": (2, 4, 8)},
     "backward": {"backward_chunk": (16, 32, 64, 128, 256), "backward_rows": (2, 4, 8),
                  "backward_warps": (1, 2), "backward_stages": (1, 2, 3)},
+    "sums": {"sum_columns": (32, 64, 128, 256), "sum_rows": (8, 32, 64)},  # in backward_impl
 }
 
 
@@ -228,7 +229,7 @@ def impl_inputs(batch, seq, hv, device="cuda"):
 
 
 def sweep(out_dir: str, shapes=SWEEP_SHAPES, swept=tuple(SWEEP)) -> dict:
-    """GPU time of forward_impl or backward_impl per launch."""
+    """GPU time of forward_impl (kernel "forward") or backward_impl (the others) per launch."""
     results = {"env": environment(), "rows": []}
     default_for = region.launch_for
     try:

@@ -40,7 +40,6 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 1024  # a head's tile lives in registers
 MAX_CONV_WIDTH = 16
 DECAY_TOKENS = 4  # tokens per step of the backward's g / beta program (few registers)
-SUM_COLUMNS, SUM_ROWS = 256, 8  # pre_gdr_bwd_sums: columns per program, rows per step
 
 
 class RegionShape(NamedTuple):
@@ -181,6 +180,8 @@ class Launch(NamedTuple):
     backward_rows: int  # tokens per step of its loop (their loads issued together)
     backward_warps: int
     backward_stages: int = 1  # > 1: the loads of the next stages - 1 loop steps in flight
+    sum_columns: int = 256  # pre_gdr_bwd_sums: partial-row columns per program
+    sum_rows: int = 8  # and rows added per step
 
 
 # The backward's chunk of 16 ... 256 tokens: the longest whose one-warp programs fill one wave
@@ -193,6 +194,10 @@ class Launch(NamedTuple):
 # (tools/pre_gdr_benchmark.py --sweep; docs/design.md).
 MIN_CHUNK, MAX_CHUNK, RESIDENT_PER_SM = 16, 256, 16
 H100_MULTIPROCESSORS = 132  # without a GPU (the interpreter): as on an H100
+# pre_gdr_bwd_sums: programs of 32 ... 256 partial-row columns, the widest that makes two
+# programs per SM (few columns at 4 or 8 value heads: 4104 at 4, one program per SM at 32
+# wide), each adding SUM_TILE elements a step (16 a thread at 4 warps).
+MIN_SUM_COLUMNS, MAX_SUM_COLUMNS, SUM_TILE = 32, 256, 2048
 
 
 def launch_for(shape: RegionShape, seq: int, batch: int = 1,
@@ -206,8 +211,19 @@ def launch_for(shape: RegionShape, seq: int, batch: int = 1,
         if 0.9 * slots <= programs <= slots or programs >= 2 * slots:
             break
         chunk //= 2
+    columns = _partial_columns(shape, has_bias=False)
+    sum_columns = MAX_SUM_COLUMNS
+    while sum_columns > MIN_SUM_COLUMNS and triton.cdiv(columns, sum_columns) < 2 * multiprocessors:
+        sum_columns //= 2
     return Launch(forward_tokens=16, forward_warps=4, backward_chunk=chunk, backward_rows=4,
-                  backward_warps=1)
+                  backward_warps=1, sum_columns=sum_columns, sum_rows=SUM_TILE // sum_columns)
+
+
+def _partial_columns(shape: RegionShape, has_bias: bool) -> int:
+    """Columns of the backward's partial rows (the kernels' _partial_columns): dw [C, K], db
+    [C] with a bias, dA and ddt_bias [Hv] each."""
+    channels = shape.conv_channels
+    return channels * shape.conv_width + (channels if has_bias else 0) + 2 * shape.value_heads
 
 
 @functools.lru_cache(maxsize=None)
@@ -290,9 +306,8 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
         dqkvzba = gradient_buffer(qkvzba)
     launch = launch_for(shape, seq, batch, multiprocessors(device))
     chunks = triton.cdiv(seq, launch.backward_chunk)
-    bias_columns = channels if conv_bias is not None else 0
-    columns = channels * width + bias_columns + 2 * hv
-    # one row per (batch, chunk), every column written by the kernel (its _partial_columns)
+    columns = _partial_columns(shape, conv_bias is not None)
+    # one row per (batch, chunk), every column written by the kernel
     partial = torch.empty(batch * chunks, columns, dtype=torch.float32, device=device)
     if dgate is not None:
         dgate = dgate.reshape(batch, seq, hv * shape.value_dim)
@@ -317,10 +332,10 @@ def backward_impl(qkvzba, conv_weight, conv_bias, A_log, dt_bias, shape: RegionS
     dweight = torch.empty(channels, width, dtype=conv_weight.dtype, device=device)
     dbias = None if conv_bias is None else torch.empty_like(conv_bias)
     da_log, ddt_bias = torch.empty_like(A_log), torch.empty_like(dt_bias)
-    pre_gdr_bwd_sums[(triton.cdiv(columns, SUM_COLUMNS),)](
+    pre_gdr_bwd_sums[(triton.cdiv(columns, launch.sum_columns),)](
         partial=partial, a_log=A_log, dw=dweight, db=dbias, da_log=da_log, ddt_bias=ddt_bias,
         rows=partial.shape[0], C=channels, K=width, HV=hv, HAS_BIAS=conv_bias is not None,
-        ROWS_PER_STEP=SUM_ROWS, BLOCK=SUM_COLUMNS, num_warps=4)
+        ROWS_PER_STEP=launch.sum_rows, BLOCK=launch.sum_columns, num_warps=4)
     return dqkvzba, dweight.view(conv_weight.shape), dbias, da_log, ddt_bias
 
 

@@ -124,11 +124,12 @@ def test_matches_the_reference(case, dtype):
 
 # Backward chunks over S = 37: of 5 tokens (8 chunks, shorter than the conv's window K - 1 = 3
 # plus one), of 16 (3, the last short), and one chunk; loop steps of 1 to 3 tokens; 2 warps and
-# loads 2 or 3 steps ahead (compiled: the interpreter runs them as the default).
-@pytest.mark.parametrize("chunk, rows, warps, stages", [(5, 1, 1, 1), (16, 3, 2, 3),
-                                                        (64, 2, 1, 2)])
+# loads 2 or 3 steps ahead (compiled: the interpreter runs them as the default); the partial
+# rows summed 2 to 64 at a time over 32 to 256 columns a program.
+@pytest.mark.parametrize("chunk, rows, warps, stages, sums", [
+    (5, 1, 1, 1, (32, 2)), (16, 3, 2, 3, (256, 8)), (64, 2, 1, 2, (64, 64))])
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
-def test_backward_chunks(chunk, rows, warps, stages, packed, monkeypatch):
+def test_backward_chunks(chunk, rows, warps, stages, sums, packed, monkeypatch):
     """Other backward launches against the reference, and d(qkvzba) the same bits as the
     default launch's (only dw's partials follow the chunks)."""
     region = Region()
@@ -140,7 +141,8 @@ def test_backward_chunks(chunk, rows, warps, stages, packed, monkeypatch):
     _, default_grads = region_grads(fused_pre_gated_delta_rule, inputs, region, **options)
     default = fpg.launch_for
     monkeypatch.setattr(fpg, "launch_for", lambda *args: default(*args)._replace(
-        backward_chunk=chunk, backward_rows=rows, backward_warps=warps, backward_stages=stages))
+        backward_chunk=chunk, backward_rows=rows, backward_warps=warps, backward_stages=stages,
+        sum_columns=sums[0], sum_rows=sums[1]))
     _, grads = compare_with_reference(inputs, region, **options)
     assert torch.equal(grads[0], default_grads[0])
 
@@ -425,6 +427,13 @@ def test_region_shape_and_launch():
     assert chunk == {32: 128, 8: 16, 4: 16}  # 2080 programs: one wave; 2176 would spill
     assert launch_for(qwen, 8192, batch=2).backward_chunk == 128  # 4160 programs at 256
     assert launch_for(qwen, 4096, multiprocessors=66).backward_chunk == 256  # 1040 of 1056
+    # the parameter gradients' sums: the widest of 32 ... 256 columns a program that makes 264
+    # programs (two per SM) of the 32832 / 8208 / 4104 partial-row columns, 2048 elements a step
+    sums = {heads: launch_for(qwen._replace(key_heads=heads // 2, value_heads=heads), 4096)
+            for heads in (32, 8, 4)}
+    assert {h: (s.sum_columns, s.sum_rows) for h, s in sums.items()} == {
+        32: (64, 32), 8: (32, 64), 4: (32, 64)}
+    assert launch_for(qwen, 4096, multiprocessors=16).sum_columns == 256  # 129 programs
 
 
 # -------------------------------------------------------------------------------- empty inputs

@@ -1,6 +1,7 @@
 """Compile the fused kernels for an sm_90 GPU (H100/H200) on any machine, no GPU needed, and
 report what the GPU would run: for the gated norm the layout of the row reduction and the SASS
-size, for the pre-recurrence region registers, spills, shared memory and programs per SM.
+size, for the pre-recurrence region registers, spills, shared memory, programs per SM and the
+SASS size of each loop.
 
     python tools/kernel_ir.py --dim 128 --bt 16 --warps 8 [--bt 8 --warps 2] [--unaligned]
     python tools/kernel_ir.py --kernel bwd --dim 128 --bt 8 --warps 4 --dump /tmp/ir
@@ -203,8 +204,11 @@ def _cuobjdump(cubin: bytes, option: str) -> str:
                               capture_output=True, text=True).stdout
 
 
+SASS_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(\S.*?);", re.M)  # address, text
+
+
 def sass_instructions(cubin: bytes) -> int:
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", _cuobjdump(cubin, "-sass"), re.M))
+    return len(SASS_INSTRUCTION.findall(_cuobjdump(cubin, "-sass")))
 
 
 def describe(kernel: str, dim: int, dtype: str, bt: int, warps: int, unaligned: bool,
@@ -288,6 +292,19 @@ def resource_usage(cubin: bytes) -> dict:
             "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
 
 
+def loop_instructions(sass: str) -> list[int]:
+    """The SASS instruction count of each loop body (a branch back to a lower address), in code
+    order: the region's backward has its q/k head's token loop first, then its v head's."""
+    instructions = [(int(a, 16), text) for a, text in SASS_INSTRUCTION.findall(sass)]
+    loops = []
+    for end, text in instructions:
+        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < end:
+            start = int(branch.group(1), 16)
+            loops.append(sum(start <= a <= end for a, _ in instructions))
+    return loops
+
+
 def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
     """Programs of ``warps`` warps an sm_90 SM holds at once."""
     warp_registers = -(-registers * 32 // 256) * 256
@@ -310,16 +327,18 @@ def describe_region(kernel: str, value_heads: int, bt: int, warps: int, stages: 
                             *region_launch_arguments(kernel, value_heads, launch))
     usage = resource_usage(compiled.asm["cubin"])
     shared = compiled.metadata.shared
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
     if dump:
         base = Path(dump) / f"{kernel}_hv{value_heads}_bt{bt}_w{warps}_s{stages}"
         base.parent.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
             base.with_suffix(f".{ext}").write_text(compiled.asm[ext])
-        base.with_suffix(".sass").write_text(_cuobjdump(compiled.asm["cubin"], "-sass"))
+        base.with_suffix(".sass").write_text(sass)
     return {"kernel": kernel, "value_heads": value_heads, "bt": bt, "warps": warps,
             "stages": stages, **usage, "shared_bytes": shared,
             "programs_per_sm": programs_per_sm(usage["registers"], warps, shared),
-            "sass_instructions": sass_instructions(compiled.asm["cubin"])}
+            "sass_instructions": len(SASS_INSTRUCTION.findall(sass)),
+            "loop_instructions": loop_instructions(sass)}
 
 
 def main(argv=None) -> None:

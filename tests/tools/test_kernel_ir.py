@@ -184,6 +184,8 @@ def test_region_backward_holds_the_programs_its_launch_rule_counts(value_heads):
                                 "--stages", "1", "--stages", "3")
     assert default["programs_per_sm"] == RESIDENT_PER_SM, default
     assert default["stack_bytes"] == 0 and default["sass_instructions"] > 1000, default
+    key_loop, value_loop = default["loop_instructions"][:2]  # the token loops, q/k head's first
+    assert key_loop > value_loop > 300, default  # the L2 norm's backward is the q/k head's
     assert staged["registers"] <= default["registers"], staged
     assert staged["shared_bytes"] >= default["shared_bytes"] + 2 * 4 * 128 * 2, staged
 

@@ -56,6 +56,7 @@ import core.fusions.gated_norm_launch as launch_rules  # noqa: E402
 import core.fusions.gated_norm_plans as plans  # noqa: E402
 import core.fusions.gated_norm_validation as validation  # noqa: E402
 from core.testing.h200 import h200_device_rules  # noqa: E402
+from tools.pre_gdr_benchmark import DK, DV, WIDTH, region_inputs  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -247,7 +248,7 @@ def before_loading(ptx: str, instruction: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 REGION_KERNELS = ("pre_gdr_fwd", "pre_gdr_bwd")
-REGION_DIM, REGION_WIDTH, REGION_SEQ = 128, 4, 256  # Qwen3-Next's head dims and conv width
+REGION_SEQ = 256  # tokens of the recorded launch (the kernels do not specialise on the count)
 # An sm_90 SM (CUDA's occupancy rules): registers per sub-partition (4 per SM), allocated per
 # warp in units of 256; shared memory, 1 KB of it reserved per program; programs; warps.
 SUB_PARTITION_REGISTERS, SM_SHARED, SHARED_RESERVED, SM_PROGRAMS, SM_WARPS = (
@@ -255,18 +256,15 @@ SUB_PARTITION_REGISTERS, SM_SHARED, SHARED_RESERVED, SM_PROGRAMS, SM_WARPS = (
 
 
 def region_shape(value_heads: int):
-    return region.RegionShape(value_heads // 2, value_heads, REGION_DIM, REGION_DIM,
-                              REGION_WIDTH)
+    """The region's sizes at Qwen3-Next's per-rank head dims and conv width (the benchmark's)."""
+    return region.RegionShape(value_heads // 2, value_heads, DK, DV, WIDTH)
 
 
 def region_launch_arguments(kernel: str, value_heads: int, launch) -> tuple[tuple, dict]:
     """The arguments forward_impl (``pre_gdr_fwd``) or backward_impl (``pre_gdr_bwd``) passes
     at these sizes under ``launch`` (a ``Launch``), recorded from CPU tensors, never run."""
-    shape = region_shape(value_heads)
-    sbhd = torch.zeros(REGION_SEQ, 1, shape.features, dtype=torch.bfloat16)
-    weight = torch.zeros(shape.conv_channels, 1, REGION_WIDTH, dtype=torch.bfloat16)
-    a_log, dt_bias = (torch.zeros(value_heads, dtype=torch.bfloat16) for _ in range(2))
-    inputs = (sbhd.transpose(0, 1), weight, None, a_log, dt_bias, shape)
+    qkvzba, weight, a_log, dt_bias = region_inputs(1, REGION_SEQ, value_heads, device="cpu")
+    inputs = (qkvzba, weight, None, a_log, dt_bias, region_shape(value_heads))
     saved = (region.launch_for, region.pre_gdr_fwd, region.pre_gdr_bwd, region.pre_gdr_bwd_sums)
     recorder = _Recorder()
     region.launch_for = lambda *_: launch
@@ -276,7 +274,7 @@ def region_launch_arguments(kernel: str, value_heads: int, launch) -> tuple[tupl
         if kernel == "pre_gdr_fwd":
             region.forward_impl(*inputs)
         else:
-            q = torch.zeros(1, REGION_SEQ, value_heads, REGION_DIM, dtype=torch.bfloat16)
+            q = torch.zeros(1, REGION_SEQ, value_heads, DK, dtype=torch.bfloat16)
             g = torch.zeros(1, REGION_SEQ, value_heads)
             region.backward_impl(*inputs, q, q, q, g, g.to(torch.bfloat16))
     finally:

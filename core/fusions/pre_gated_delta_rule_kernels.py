@@ -427,7 +427,7 @@ def pre_gdr_bwd(
                        COPY_GATE)
     else:
         _bwd_decay(x_b, a_log, dt_bias, dg, dbeta, dx_b,
-                   partial_row + C * K + (C if HAS_BIAS else 0), first, last, tok0, ss, dx_ss,
+                   partial_row + _decay_column(C, K, HAS_BIAS), first, last, tok0, ss, dx_ss,
                    HK, HV, DK, DV, BT, BH)
 
 
@@ -435,7 +435,13 @@ def pre_gdr_bwd(
 def _partial_columns(C: tl.constexpr, K: tl.constexpr, HV: tl.constexpr,
                      HAS_BIAS: tl.constexpr):
     """Columns of a partial row: dw [C, K], db [C] (with a bias), dA [HV], ddt_bias [HV]."""
-    return C * K + (C if HAS_BIAS else 0) + 2 * HV
+    return _decay_column(C, K, HAS_BIAS) + 2 * HV
+
+
+@triton.jit
+def _decay_column(C: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The partial row's first dA column: past dw [C, K] and db [C] (with a bias)."""
+    return C * K + (C if HAS_BIAS else 0)
 
 
 @triton.jit
@@ -458,7 +464,7 @@ def pre_gdr_bwd_sums(partial, a_log, dw, db, da_log, ddt_bias, rows, C: tl.const
     CK: tl.constexpr = C * K
     W_DTYPE: tl.constexpr = dw.dtype.element_ty
     tl.store(dw + cols, _round_to(total, W_DTYPE).to(W_DTYPE), mask=cols < CK)
-    DECAY0: tl.constexpr = CK + (C if HAS_BIAS else 0)
+    DECAY0: tl.constexpr = _decay_column(C, K, HAS_BIAS)
     if HAS_BIAS:
         B_DTYPE: tl.constexpr = db.dtype.element_ty
         tl.store(db + cols - CK, _round_to(total, B_DTYPE).to(B_DTYPE),
